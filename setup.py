@@ -1,0 +1,15 @@
+"""Maps the one namespace ``pdserve.*`` onto the repository's top-level folders (DESIGN.md §1).
+
+``pdserve`` itself is the repository root (its ``__init__.py``); ``pdserve.shared``,
+``pdserve.services``, ``pdserve.kernels`` and ``pdserve.loadtest`` are the folders of those names.
+"""
+from setuptools import find_packages, setup
+
+TOP = ["shared", "services", "kernels", "loadtest"]
+subpackages = [p for p in find_packages(".") if p.split(".")[0] in TOP]
+
+setup(
+    packages=["pdserve"] + [f"pdserve.{p}" for p in subpackages],
+    package_dir={"pdserve": "."},
+    package_data={"pdserve.loadtest": ["*.json"]},
+)
