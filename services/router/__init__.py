@@ -1,0 +1,1 @@
+"""The router: OpenAI-compatible REST gateway of the ensemble (DESIGN.md §3)."""

@@ -1,0 +1,42 @@
+"""Redis key, stream and channel names of the ensemble (DESIGN.md §3): one definition for every service.
+
+Streams:
+  ``pdserve:prefill``            the prefill queue (consumer group ``prefill``); entries are ``PrefillRequest``.
+  ``pdserve:decode:{pod_id}``    a decode pod's own queue, for requests it prefills itself (local prefill, or no
+                                 prefill tier); entries are ``PrefillRequest``; group ``DECODE_GROUP``.
+  ``pdserve:out:{request_id}``   one request's output; entries are ``OutputEvent``; expires ``OUTPUT_TTL_S``
+                                 after the final event (the router also deletes it once it has read that event).
+Abort:
+  channel ``pdserve:abort`` carries a request id; key ``pdserve:aborted:{request_id}`` (TTL ``ABORTED_TTL_S``)
+  lets a worker that was not subscribed at publish time (or dequeues the request later) see it too.
+"""
+
+from __future__ import annotations
+
+PREFIX = "pdserve:"
+
+PREFILL_STREAM = "pdserve:prefill"
+PREFILL_GROUP = "prefill"
+DECODE_GROUP = "decode"
+
+ABORT_CHANNEL = "pdserve:abort"
+
+# The router deletes an output stream when it has read the final event; the TTL bounds memory when no one does
+# (router gone, client gone before the worker finished).
+OUTPUT_TTL_S = 60
+ABORTED_TTL_S = 300
+
+
+def decode_stream(pod_id: str) -> str:
+    """The decode pod's own request stream (local prefill)."""
+    return f"pdserve:decode:{pod_id}"
+
+
+def output_stream(request_id: str) -> str:
+    """The per-request output stream the workers write ``OutputEvent``s to."""
+    return f"pdserve:out:{request_id}"
+
+
+def aborted_key(request_id: str) -> str:
+    """Set (TTL ``ABORTED_TTL_S``) when a request was aborted; workers check it before starting work."""
+    return f"pdserve:aborted:{request_id}"

@@ -1,0 +1,158 @@
+"""Redis stream entries of the ensemble: the prefill queue entry and the per-request output event.
+
+Each message is a dataclass with ``encode() -> dict[str, bytes]`` (the fields for ``XADD``) and
+``decode(fields) -> cls`` (the field map ``XREAD``/``XREADGROUP`` returns, keys and values as ``bytes`` or
+``str``). The payload travels as one msgpack field ``data`` (no pickle); a few fields are duplicated as plain
+stream fields for readers that must not unpack it (the planner sums ``prompt_tokens`` over the queue) and for
+``redis-cli`` debugging. Unknown msgpack keys are ignored on decode, so a newer writer can add optional fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import msgpack
+
+DATA_FIELD = "data"
+
+
+class MessageError(ValueError):
+    """A stream entry that is not a valid message of the expected type."""
+
+
+def _get(fields: Mapping[Any, Any], name: str) -> bytes | None:
+    value = fields.get(name)
+    if value is None:
+        value = fields.get(name.encode())
+    if isinstance(value, str):
+        value = value.encode()
+    return value
+
+
+def _unpack(cls: type, fields: Mapping[Any, Any]) -> dict[str, Any]:
+    raw = _get(fields, DATA_FIELD)
+    if raw is None:
+        raise MessageError(f"{cls.__name__}: stream entry has no {DATA_FIELD!r} field")
+    try:
+        payload = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MessageError(f"{cls.__name__}: undecodable payload: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise MessageError(f"{cls.__name__}: payload is {type(payload).__name__}, expected a map")
+    known = {f.name for f in dataclasses.fields(cls)}
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.name not in payload and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise MessageError(f"{cls.__name__}: missing fields {missing}")
+    return {k: v for k, v in payload.items() if k in known}
+
+
+@dataclass(slots=True)
+class PrefillRequest:
+    """One request (one choice of an OpenAI request) waiting for prefill.
+
+    XADDed by the router to ``keys.PREFILL_STREAM`` (remote prefill) or to ``keys.decode_stream(decode_pod_id)``
+    (the decode pod prefills it itself). ``sampling_params`` is ``SamplingParams.to_dict()`` for this one
+    choice (``n`` = 1; a seeded request with n > 1 gets ``seed + choice_index``). ``arrival_time`` and
+    ``deadline`` are unix seconds (``time.time()``). The decode pod named here is where the KV blocks go and
+    where the request is decoded; its output goes to ``keys.output_stream(request_id)``.
+    """
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]
+    decode_pod_id: str
+    decode_host: str
+    decode_kv_port: int
+    arrival_time: float
+    deadline: float | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    choice_index: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def encode(self) -> dict[str, bytes]:
+        return {
+            "request_id": self.request_id.encode(),
+            "prompt_tokens": str(self.prompt_tokens).encode(),
+            DATA_FIELD: msgpack.packb(dataclasses.asdict(self), use_bin_type=True),
+        }
+
+    @classmethod
+    def decode(cls, fields: Mapping[Any, Any]) -> PrefillRequest:
+        return cls(**_unpack(cls, fields))
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one sampled token and the ``top`` most likely alternatives at its position.
+
+    ``top`` is a list of ``(token_id, logprob)`` pairs, most likely first (length = the request's
+    ``logprobs`` / ``top_logprobs``; may be empty). Natural log, as OpenAI and vLLM report it.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_wire(self) -> list[Any]:
+        return [self.token_id, self.logprob, [[t, lp] for t, lp in self.top]]
+
+    @classmethod
+    def from_wire(cls, item: list[Any]) -> TokenLogprob:
+        token_id, logprob, top = item
+        return cls(int(token_id), float(logprob), [(int(t), float(lp)) for t, lp in top])
+
+
+@dataclass(slots=True)
+class OutputEvent:
+    """One step of a request's output, XADDed by a worker to ``keys.output_stream(request_id)``.
+
+    ``token_ids`` are the new tokens of this event and ``text`` their detokenized delta (text never retracted:
+    the worker holds back what a stop string might still cut). ``logprobs`` (when the request asked for them)
+    has one ``TokenLogprob`` per token in ``token_ids``. ``completion_tokens`` counts all tokens generated so far
+    (cumulative), ``prompt_tokens`` the prompt length. The final event has ``finish_reason`` ("stop" | "length"
+    | "abort") or ``error`` ({"message", "type", "code": HTTP status int}); nothing follows it.
+    ``stop_reason`` is the stop string or stop token id that ended the request (vLLM's field), ``None`` for EOS
+    or length. ``first_token_time`` (unix s, when the first token was sampled) rides on the first event;
+    ``num_cached_tokens`` is the prompt's prefix-cache hit on the prefill side.
+    """
+
+    request_id: str
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: dict[str, Any] | None = None
+    stop_reason: str | int | None = None
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def encode(self) -> dict[str, bytes]:
+        payload = dataclasses.asdict(self)
+        payload["logprobs"] = None if self.logprobs is None else [lp.to_wire() for lp in self.logprobs]
+        out = {DATA_FIELD: msgpack.packb(payload, use_bin_type=True)}
+        if self.finished:
+            out["final"] = b"1"
+        return out
+
+    @classmethod
+    def decode(cls, fields: Mapping[Any, Any]) -> OutputEvent:
+        kwargs = _unpack(cls, fields)
+        if kwargs.get("logprobs") is not None:
+            kwargs["logprobs"] = [TokenLogprob.from_wire(item) for item in kwargs["logprobs"]]
+        return cls(**kwargs)
