@@ -1,0 +1,217 @@
+"""Per-request sampling parameters, shaped like vLLM's ``SamplingParams``.
+
+Validation follows vLLM (``vllm/sampling_params.py``) with one deliberate difference: ``top_k`` is
+``-1`` when disabled and ``0`` is rejected. Every error is a :class:`SamplingParamsError` (a
+``ValueError``) whose ``.param`` names the offending field, so the router can fill the OpenAI error
+body's ``param`` without parsing messages. Messages read ``"<param> must be <rule>, got <value>"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+# vLLM's _SAMPLING_EPS: a temperature below this is greedy decoding.
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is invalid; ``param`` is the field name (e.g. ``"top_p"``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fail(param: str, rule: str, value: Any) -> SamplingParamsError:
+    return SamplingParamsError(param, f"{param} must be {rule}, got {value!r}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop (see vLLM's ``SamplingParams``).
+
+    ``top_k=-1``, ``top_p=1``, ``min_p=0`` disable those filters; ``temperature=0`` is greedy.
+    ``max_tokens=None`` means "up to the model's context length" (the engine resolves it).
+    ``logprobs=k`` returns the sampled token's logprob plus the ``k`` most likely alternatives
+    (``0``: only the sampled token). ``stop`` and ``stop_token_ids`` are normalised to lists.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self._verify()
+        if self.is_greedy:
+            # As vLLM: greedy decoding ignores the truncation filters.
+            self.top_p = 1.0
+            self.top_k = -1
+            self.min_p = 0.0
+
+    # ---- validation -------------------------------------------------------------------------
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise _fail("stop", "a string or a list of strings", stop)
+        for s in stop:
+            if not isinstance(s, str):
+                raise _fail("stop", "a string or a list of strings", stop)
+            if not s:
+                raise _fail("stop", "a list of non-empty strings", stop)
+        return list(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+            raise _fail("stop_token_ids", "a list of non-negative integers", ids)
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise _fail("stop_token_ids", "a list of non-negative integers", ids)
+        return list(ids)
+
+    def _verify(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise _fail("n", "an integer >= 1", self.n)
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
+            raise _fail("temperature", "a finite number", self.temperature)
+        if self.temperature < 0:
+            raise _fail("temperature", "non-negative", self.temperature)
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _fail("top_p", "in (0, 1]", self.top_p)
+        self.top_k = self._verify_top_k(self.top_k)
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _fail("min_p", "in [0, 1]", self.min_p)
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise _fail("seed", f"an integer in [{_SEED_MIN}, {_SEED_MAX}] or null", self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise _fail(name, "in [-2, 2]", value)
+        if (
+            not _is_number(self.repetition_penalty)
+            or not math.isfinite(self.repetition_penalty)
+            or self.repetition_penalty <= 0.0
+        ):
+            raise _fail("repetition_penalty", "a finite number > 0", self.repetition_penalty)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _fail("max_tokens", "an integer >= 1 or null", self.max_tokens)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _fail("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _fail("min_tokens", f"<= max_tokens={self.max_tokens}", self.min_tokens)
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise _fail("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or null", self.logprobs)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, "a boolean", getattr(self, name))
+
+    @staticmethod
+    def _verify_top_k(top_k: Any) -> int:
+        if isinstance(top_k, float) and top_k.is_integer():
+            top_k = int(top_k)
+        if not _is_int(top_k) or not (top_k == -1 or top_k >= 1):
+            raise _fail("top_k", "-1 (disabled) or an integer >= 1", top_k)
+        return top_k
+
+    # ---- derived ----------------------------------------------------------------------------
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def all_stop_token_ids(self, eos_token_ids: set[int] | frozenset[int]) -> set[int]:
+        """Token ids that finish the request: ``stop_token_ids`` plus EOS unless ``ignore_eos``."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(eos_token_ids)
+        return ids
+
+    # ---- wire form --------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (JSON- and msgpack-safe)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, list) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Inverse of :meth:`to_dict`; missing keys take defaults, unknown keys raise."""
+        known = _FIELD_NAMES
+        for key in data:
+            if key not in known:
+                raise SamplingParamsError(str(key), f"unknown sampling parameter {key!r}")
+        return cls(**data)
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
