@@ -1,0 +1,164 @@
+"""Writes helm/pdserve/values.schema.json, the JSON Schema Helm checks every install's values against.
+
+The schema is kept in git; rerun this after changing the shape of values.yaml
+(`python helm/tools/gen_values_schema.py`). tests/helm checks that the committed file is current.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "pdserve" / "values.schema.json"
+
+def obj(props, required=None, extra=False, **kw):
+    d = {"type": "object", "properties": props, "additionalProperties": extra}
+    if required:
+        d["required"] = required
+    d.update(kw)
+    return d
+
+S = {"type": "string"}
+B = {"type": "boolean"}
+I0 = {"type": "integer", "minimum": 0}
+I1 = {"type": "integer", "minimum": 1}
+PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+MAP = {"type": "object"}
+STRMAP = {"type": "object", "additionalProperties": {"type": "string"}}
+LIST = {"type": "array"}
+ENV = {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {"name": S}}}
+QTY = {"anyOf": [{"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?([eE][0-9]+|[KMGTPE]i?|m|k)?$"}, {"type": "number", "minimum": 0}]}
+RES = obj({"requests": {"type": "object", "additionalProperties": QTY},
+           "limits": {"type": "object", "additionalProperties": QTY},
+           "claims": LIST})
+PDB = obj({"enabled": B,
+           "maxUnavailable": {"anyOf": [I0, {"type": "string", "pattern": r"^[0-9]+%$"}]},
+           "minAvailable": {"anyOf": [I0, {"type": "string", "pattern": r"^[0-9]+%$"}]}},
+          required=["enabled"])
+SHM = obj({"enabled": B, "sizeLimit": QTY})
+
+def tier(extra_props=None, replicas=True, pdb=True, gpu=False):
+    p = {
+        "port": PORT,
+        "resources": {"$ref": "#/$defs/resources"},
+        "nodeSelector": STRMAP,
+        "tolerations": LIST,
+        "affinity": MAP,
+        "podAnnotations": STRMAP,
+        "podLabels": STRMAP,
+        "env": {"$ref": "#/$defs/env"},
+        "terminationGracePeriodSeconds": I0,
+    }
+    req = ["port", "resources"]
+    if replicas:
+        p["replicaCount"] = I0
+        req.append("replicaCount")
+    if pdb:
+        p["pdb"] = {"$ref": "#/$defs/pdb"}
+    if gpu:
+        p["runtimeClassName"] = S
+        p["shm"] = {"$ref": "#/$defs/shm"}
+    p.update(extra_props or {})
+    return obj(p, required=req)
+
+def scaled_tier(props):
+    base = {"minReplicas": I0, "maxReplicas": I1,
+            "scaleUpStabilizationSeconds": {"type": "integer", "minimum": 0, "maximum": 3600},
+            "scaleDownStabilizationSeconds": {"type": "integer", "minimum": 0, "maximum": 3600}}
+    base.update(props)
+    return obj(base, required=["minReplicas", "maxReplicas"])
+
+POS = {"type": "number", "exclusiveMinimum": 0}
+FRAC = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+
+schema = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "pdserve chart values",
+    "$defs": {"resources": RES, "env": ENV, "pdb": PDB, "shm": SHM},
+    **obj({
+        "global": MAP,
+        "nameOverride": S,
+        "fullnameOverride": S,
+        "image": obj({"repository": {"type": "string", "minLength": 1}, "tag": S,
+                      "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}, required=["repository"]),
+        "imagePullSecrets": LIST,
+        "commonLabels": STRMAP,
+        "model": obj({
+            "name": {"type": "string", "minLength": 1},
+            "uri": S,
+            "dtype": {"enum": ["float32", "bfloat16", "float16"]},
+            "volume": obj({"enabled": B, "mountPath": {"type": "string", "pattern": "^/"}, "existingClaim": S}),
+        }, required=["name"]),
+        "engine": obj({
+            "blockSize": {"type": "integer", "enum": [1, 2, 4, 8, 16, 32, 64, 128, 256]},
+            "maxModelLen": I1,
+            "maxNumSeqs": I1,
+            "maxNumBatchedTokens": I1,
+            "enablePrefixCaching": B,
+            "kvCacheMemory": {"anyOf": [{"type": "integer", "minimum": 1},
+                                         {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|B)?$"}]},
+        }, required=["blockSize", "maxModelLen", "maxNumSeqs", "maxNumBatchedTokens"]),
+        "routing": obj({"localPrefillThreshold": I0}),
+        "logLevel": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error", "critical"]},
+        "extraEnv": {"$ref": "#/$defs/env"},
+        "secrets": obj({"apiKeys": {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": "^[^,]+$"}},
+                        "kvTransferSecret": S, "existingSecret": S, "apiKeysKey": S,
+                        "kvTransferSecretKey": S, "loadtestApiKeyKey": S}),
+        "redis": obj({
+            "enabled": B,
+            "image": obj({"repository": S, "tag": S, "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}),
+            "appendfsync": {"enum": ["always", "everysec", "no"]},
+            "maxmemoryPolicy": {"enum": ["noeviction", "allkeys-lru", "volatile-lru", "allkeys-lfu", "volatile-lfu",
+                                         "allkeys-random", "volatile-random", "volatile-ttl"]},
+            "auth": obj({"enabled": B, "password": S, "existingSecret": S, "existingSecretPasswordKey": S}),
+            "persistence": obj({"enabled": B, "size": QTY, "storageClass": S,
+                                "accessModes": {"type": "array", "items": {"enum": ["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]}}}),
+            "resources": {"$ref": "#/$defs/resources"},
+            "nodeSelector": STRMAP, "tolerations": LIST, "affinity": MAP, "podAnnotations": STRMAP,
+            "external": obj({"url": {"type": "string", "pattern": "^(|rediss?://.+)$"}, "existingSecret": S, "existingSecretKey": S}),
+        }, required=["enabled"]),
+        "podSecurityContext": MAP,
+        "securityContext": MAP,
+        "serviceAccount": obj({"create": B, "name": S, "annotations": STRMAP}),
+        "probes": obj({k: obj({"periodSeconds": I1, "failureThreshold": I1, "timeoutSeconds": I1}) for k in ("startup", "readiness", "liveness")}),
+        "router": tier({"service": obj({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "port": PORT, "annotations": STRMAP})}),
+        "registry": tier(),
+        "prefill": tier(gpu=True),
+        "decode": tier({"kvPort": PORT}, gpu=True),
+        "planner": tier({"intervalSeconds": I1, "dryRun": B}, replicas=False, pdb=False),
+        "autoscaling": obj({
+            "mode": {"enum": ["none", "hpa", "keda", "planner"]},
+            "prefill": scaled_tier({"targetQueueTokensPerReplica": I1, "targetLagPerReplica": I1,
+                                    "ttftSloSeconds": POS, "throughputPriorTokensPerSecond": POS}),
+            "decode": scaled_tier({"targetKvCacheUsage": FRAC, "tpotSloSeconds": POS}),
+            "hpa": obj({"prefillQueueMetric": {"type": "string", "minLength": 1}, "prefillQueueMetricSelector": MAP,
+                        "decodeKvUsageMetric": {"type": "string", "minLength": 1}}),
+            "keda": obj({"pollingInterval": I1, "cooldownPeriod": I0, "redisAddress": S,
+                         "redisPasswordSecret": obj({"name": S, "key": S}),
+                         "prometheus": obj({"serverAddress": S, "query": S})}),
+            "planner": obj({"scaleUpCooldownSeconds": I0, "manualOverrideBackoffSeconds": I0}),
+        }, required=["mode"]),
+        "ingress": obj({"enabled": B, "className": S, "annotations": STRMAP,
+                        "hosts": {"type": "array", "items": obj({"host": S, "paths": {"type": "array", "items": obj({
+                            "path": S, "pathType": {"enum": ["Prefix", "Exact", "ImplementationSpecific"]}})}})},
+                        "tls": LIST}),
+        "httpRoute": obj({"enabled": B, "annotations": STRMAP, "parentRefs": LIST, "hostnames": {"type": "array", "items": S},
+                          "path": {"type": "string", "pattern": "^/"}}),
+        "serviceMonitor": obj({"enabled": B, "interval": S, "scrapeTimeout": S, "labels": STRMAP}),
+        "loadtest": obj({"enabled": B, "args": {"type": "array", "items": S}, "backoffLimit": I0,
+                         "ttlSecondsAfterFinished": I0, "resources": {"$ref": "#/$defs/resources"},
+                         "nodeSelector": STRMAP, "tolerations": LIST}),
+    }, required=["image", "model", "engine", "redis", "router", "registry", "prefill", "decode", "autoscaling"]),
+}
+
+
+def render() -> str:
+    """The schema document as written to disk."""
+    # min <= max cannot be said in JSON Schema; the templates fail on it instead.
+    return json.dumps(schema, indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else SCHEMA_PATH
+    out.write_text(render())
+    print(f"wrote {out}")
