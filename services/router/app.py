@@ -1,0 +1,392 @@
+"""The router's FastAPI app: the path of a request through validation, placement, the queue and the relay.
+
+``create_app(settings)`` builds it; the business logic lives in ``params`` (validation), ``prompts``
+(tokenization), ``dispatch`` (pod choice, enqueue), ``relay`` (output streams, abort) and ``responses``
+(OpenAI bodies and chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.shared.models.resolve import resolve_model
+from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest
+
+from . import errors
+from .dispatch import Dispatcher, PodDirectory
+from .errors import OpenAIError
+from .metrics import RouterMetrics
+from .middleware import GuardMiddleware
+from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, generation_defaults,
+                     requested_max_tokens)
+from .prompts import PromptProcessor
+from .relay import abort_requests, read_outputs
+from .responses import ResponseBuilder
+from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                      TokenizeCompletionRequest)
+from .settings import RouterSettings
+
+logger = logging.getLogger("pdserve.router")
+
+
+@dataclass(slots=True)
+class RouterState:
+    settings: RouterSettings
+    processor: PromptProcessor
+    redis: Redis
+    dispatcher: Dispatcher
+    metrics: RouterMetrics
+    defaults: dict[str, Any]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(slots=True)
+class Job:
+    """One accepted OpenAI request after enqueueing: its choices' request ids and where they went."""
+
+    response_id: str
+    request_ids: list[str]
+    pods: list[str]
+    arrival: float
+    builder: ResponseBuilder
+    closed: bool = False
+
+
+def _debug_enabled() -> bool:
+    return logger.isEnabledFor(logging.DEBUG)
+
+
+class _ChoiceTiming:
+    """Router-side TTFT / ITL / TPOT / E2E of one choice."""
+
+    __slots__ = ("arrival", "first", "last")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def on_event(self, metrics: RouterMetrics, event: OutputEvent) -> None:
+        now = time.monotonic()
+        if event.token_ids:
+            if self.first is None:
+                self.first = now
+                metrics.ttft.observe(now - self.arrival)
+            elif self.last is not None:
+                metrics.itl.observe(now - self.last)
+            self.last = now
+        if event.finished:
+            metrics.e2e.observe(now - self.arrival)
+            if self.first is not None and event.completion_tokens > 1:
+                metrics.tpot.observe((now - self.first) / (event.completion_tokens - 1))
+
+
+def create_app(settings: RouterSettings | None = None, processor: PromptProcessor | None = None,
+               directory: PodDirectory | None = None) -> FastAPI:
+    """Build the router app. ``processor`` and ``directory`` default to the model's tokenizer and a
+    ``RegistryClient(settings.registry_url)``; tests pass their own to share a loaded tokenizer."""
+    settings = settings or RouterSettings()
+    if processor is None:
+        processor = PromptProcessor(resolve_model(settings.model), settings.max_model_len)
+    defaults = generation_defaults(processor.model_dir)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal directory
+        redis = Redis.from_url(settings.redis_url)
+        owns_directory = directory is None
+        if directory is None:
+            from pdserve.shared.protocol.registry import RegistryClient
+            directory = RegistryClient(settings.registry_url)
+        app.state.router = RouterState(
+            settings=settings, processor=processor, redis=redis,
+            dispatcher=Dispatcher(redis, directory, settings.registry_cache_s,
+                                  settings.local_prefill_threshold, settings.retry_after_s),
+            metrics=app.state.metrics, defaults=defaults)
+        logger.info("router serving %s (max_model_len %d), redis %s, registry %s", settings.served_name,
+                    processor.max_model_len, settings.redis_url, settings.registry_url)
+        try:
+            yield
+        finally:
+            close = getattr(directory, "aclose", None) or getattr(directory, "close", None)
+            if owns_directory and close is not None:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result
+            await redis.aclose()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.metrics = RouterMetrics(settings.served_name)
+    app.add_middleware(GuardMiddleware, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes)
+    app.add_exception_handler(OpenAIError, errors.openai_error_handler)
+    app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
+
+    def state(request: Request) -> RouterState:
+        return request.app.state.router
+
+    # ---- model / health / metrics ------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        st = state(request)
+        return {"object": "list", "data": [{
+            "id": settings.served_name, "object": "model", "created": st.created, "owned_by": "pdserve",
+            "root": settings.model, "parent": None, "max_model_len": processor.max_model_len,
+            "permission": []}]}
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        try:
+            await state(request).redis.ping()
+        except Exception as exc:
+            return JSONResponse({"status": "unavailable", "reason": f"redis: {exc}"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        st = state(request)
+        try:
+            st.metrics.queue_depth.set(await st.redis.xlen(keys.PREFILL_STREAM))
+        except Exception:
+            pass  # Redis down: the other metrics are still worth scraping
+        return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- tokenizer endpoints (vLLM's shapes) --------------------------------------------------
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (settings.served_name, settings.model):
+            raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise errors.bad_request(f"Malformed JSON body: {exc}") from exc
+        if not isinstance(body, dict):
+            raise errors.bad_request("Request body must be a JSON object")
+        return body
+
+    def parse(model_cls: type, body: dict[str, Any]) -> Any:
+        try:
+            return model_cls.model_validate(body)
+        except ValidationError as exc:
+            errs = exc.errors()
+            message, param = errors.describe_validation_error({**errs[0], "loc": ("body", *errs[0]["loc"])})
+            raise errors.bad_request(message, param) from exc
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        if "messages" in body:
+            req = parse(TokenizeChatRequest, body)
+            check_model(req.model)
+            ids = await anyio.to_thread.run_sync(lambda: processor.chat_token_ids(
+                req.messages, req.add_generation_prompt, req.continue_final_message,
+                req.chat_template_kwargs, req.add_special_tokens))
+        else:
+            req = parse(TokenizeCompletionRequest, body)
+            check_model(req.model)
+            ids = await anyio.to_thread.run_sync(
+                lambda: processor.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return {"count": len(ids), "max_model_len": processor.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse(DetokenizeRequest, await json_body(request))
+        check_model(req.model)
+        processor.check_token_ids(req.tokens, "tokens")
+        return {"prompt": processor.decode(req.tokens)}
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def plan(req: ChatCompletionRequest | CompletionRequest) -> RequestPlan:
+        check_model(req.model)
+        check_cross_field(req)
+        if isinstance(req, ChatCompletionRequest):
+            ids = await anyio.to_thread.run_sync(lambda: processor.chat_token_ids(
+                req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs))
+            prompts, prompt_param = [ids], "messages"
+        else:
+            prompts = await anyio.to_thread.run_sync(
+                lambda: processor.prompt_token_ids(req.prompt, req.add_special_tokens))
+            prompt_param = "prompt"
+        max_tokens, max_param = requested_max_tokens(req)
+        sampling = []
+        for ids in prompts:
+            effective = check_context(len(ids), max_tokens, processor.max_model_len, prompt_param, max_param)
+            sampling.append(build_sampling_params(req, effective, defaults))
+        return RequestPlan(prompts=prompts, sampling=sampling, n=req.n)
+
+    async def submit(request: Request, req: ChatCompletionRequest | CompletionRequest, kind: str) -> Job:
+        st = state(request)
+        arrival_wall, arrival = time.time(), time.monotonic()
+        p = await plan(req)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        base = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
+        response_id = f"{prefix}-{base}"
+        total = len(p.prompts) * p.n
+        request_ids = [response_id] if total == 1 else [f"{response_id}-{i}" for i in range(total)]
+        pods: list[str] = []
+        want_logprobs = bool(req.logprobs) if kind == "chat" else req.logprobs is not None
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        builder = ResponseBuilder(kind, response_id, settings.served_name, int(arrival_wall),
+                                  processor.token_str, [len(ids) for ids in p.prompts], p.n, want_logprobs,
+                                  include_usage=include_usage,
+                                  continuous_usage=bool(req.stream_options
+                                                        and req.stream_options.continuous_usage_stats))
+        job = Job(response_id, request_ids, pods, arrival, builder)
+        try:
+            for prompt_index, ids in enumerate(p.prompts):
+                placement = await st.dispatcher.place(len(ids))
+                pod = placement.pod
+                choices = [PrefillRequest(
+                    request_id=request_ids[prompt_index * p.n + j], model=settings.model,
+                    prompt_token_ids=ids, sampling_params=p.choice_params(prompt_index, j),
+                    decode_pod_id=pod.pod_id, decode_host=pod.host, decode_kv_port=int(pod.kv_port),
+                    arrival_time=arrival_wall, deadline=None, cache_salt=req.cache_salt,
+                    priority=req.priority, choice_index=prompt_index * p.n + j) for j in range(p.n)]
+                await st.dispatcher.enqueue(placement, choices)
+                pods.extend([pod.pod_id] * p.n)
+                st.metrics.pd_decisions.labels(settings.served_name,
+                                               "local" if placement.local_prefill else "remote").inc(p.n)
+                logger.info("request %s: %d prompt tokens, n=%d -> decode pod %s (%s prefill)", response_id,
+                            len(ids), p.n, pod.pod_id, "local" if placement.local_prefill else "remote")
+                if _debug_enabled():
+                    logger.debug("request %s prompt ids %s params %s", response_id, ids, choices[0].sampling_params)
+        except BaseException:
+            if pods:  # some choices are queued already
+                await finish(st, job, aborted=True, reason="enqueue_failed")
+            raise
+        st.metrics.running.inc()
+        return job
+
+    async def finish(st: RouterState, job: Job, aborted: bool, reason: str = "client_disconnected") -> None:
+        """Release the job's bookkeeping; when ``aborted``, tell every worker to drop it (shielded: this
+        runs while the request's task is being cancelled)."""
+        if job.closed:
+            return
+        job.closed = True
+        with anyio.CancelScope(shield=True):
+            if job.pods:
+                st.metrics.running.dec()
+            if aborted:
+                st.metrics.aborted.labels(settings.served_name, reason).inc()
+                logger.info("request %s aborted (%s)", job.response_id, reason)
+                try:
+                    await abort_requests(st.redis, job.request_ids)
+                except Exception as exc:
+                    logger.error("request %s: abort failed: %s", job.response_id, exc)
+            for pod_id in set(job.pods):
+                st.dispatcher.finished(pod_id, job.pods.count(pod_id))
+            job.pods.clear()
+
+    def record_finish(st: RouterState, job: Job) -> None:
+        st.metrics.prompt_tokens.inc(sum(job.builder.prompt_lens))
+        for c in job.builder.choices:
+            st.metrics.generation_tokens.inc(c.completion_tokens)
+            st.metrics.success.labels(settings.served_name, c.finish_reason or "error").inc()
+
+    async def events(st: RouterState, job: Job) -> AsyncIterator[tuple[int, OutputEvent]]:
+        timings = [_ChoiceTiming(job.arrival) for _ in job.request_ids]
+        async for index, event in read_outputs(st.redis, job.request_ids, settings.request_timeout_s):
+            timings[index].on_event(st.metrics, event)
+            if event.error is not None:
+                err = event.error
+                raise OpenAIError(int(err.get("code") or 500), str(err.get("message", "worker error")),
+                                  err.get("param"), err_type=err.get("type"))
+            yield index, event
+
+    async def respond(request: Request, job: Job) -> JSONResponse:
+        st = state(request)
+
+        async def collect() -> None:
+            async for index, event in events(st, job):
+                job.builder.on_event(index, event)
+
+        async def disconnected() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.25)
+
+        collector = asyncio.ensure_future(collect())
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not collector.done():
+                await finish(st, job, aborted=True)
+                return JSONResponse(errors.error_body(499, "Client disconnected"), status_code=499)
+            try:
+                collector.result()  # raises the worker's or the relay's error
+            except OpenAIError as exc:
+                await finish(st, job, aborted=True, reason=exc.type)
+                raise
+            record_finish(st, job)
+            await finish(st, job, aborted=False)
+            return JSONResponse(job.builder.response())
+        finally:
+            watcher.cancel()
+            collector.cancel()
+            await finish(st, job, aborted=True, reason="cancelled")  # no-op unless cancelled from outside
+
+    def stream(request: Request, job: Job) -> EventSourceResponse:
+        st = state(request)
+        include_usage = job.builder.include_usage
+
+        async def chunks() -> AsyncIterator[str]:
+            complete = False
+            try:
+                for chunk in job.builder.role_chunks():
+                    yield json.dumps(chunk, ensure_ascii=False)
+                try:
+                    async for index, event in events(st, job):
+                        chunk = job.builder.on_event(index, event)
+                        if chunk is not None:
+                            yield json.dumps(chunk, ensure_ascii=False)
+                except OpenAIError as exc:
+                    await finish(st, job, aborted=True, reason=exc.type)
+                    complete = True
+                    yield json.dumps(exc.body(), ensure_ascii=False)
+                    yield "[DONE]"
+                    return
+                if include_usage:
+                    yield json.dumps(job.builder.usage_chunk(), ensure_ascii=False)
+                complete = True
+                record_finish(st, job)
+                await finish(st, job, aborted=False)
+                yield "[DONE]"
+            finally:
+                if not complete:
+                    await finish(st, job, aborted=True)
+
+        return EventSourceResponse(chunks(), sep="\n", ping=15)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        job = await submit(request, body, "chat")
+        return stream(request, job) if body.stream else await respond(request, job)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        job = await submit(request, body, "completion")
+        return stream(request, job) if body.stream else await respond(request, job)
+
+    return app

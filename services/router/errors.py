@@ -1,0 +1,105 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status.
+
+``type`` follows vLLM's OpenAI server (the exception class the official client raises for that status,
+e.g. "BadRequestError"), ``code`` is the HTTP status, ``param`` names the offending request field or is null.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+    504: "TimeoutError",
+}
+
+
+class OpenAIError(Exception):
+    """An error the client is told about; raise it anywhere below a route."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None, err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+        self.type = err_type or _TYPES.get(status, "InternalServerError")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.type)
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param)
+
+
+def error_body(status: int, message: str, param: str | None = None, err_type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type or _TYPES.get(status, "InternalServerError"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "messages", 0, "content")`` -> "messages"; the top-level field is what OpenAI names."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    for part in parts:
+        if isinstance(part, str):
+            return part
+    return None
+
+
+def describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
+    """Turn one pydantic/FastAPI error entry into (message, param)."""
+    if err.get("type") == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return f"Malformed JSON body: {detail}".rstrip(": "), None
+    loc = tuple(err.get("loc", ()))
+    param = _param_of(loc)
+    where = ".".join(str(p) for p in loc[1:] if p is not None) if loc and loc[0] == "body" else ""
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing" and where == "":
+        return "Request body must be a JSON object", None
+    if err.get("type") == "model_attributes_type" and not where:
+        return "Request body must be a JSON object", None
+    if "input" in err and err.get("type") not in ("missing",):
+        shown = repr(err["input"])
+        if len(shown) > 100:
+            shown = shown[:100] + "..."
+        return f"Invalid value for '{where}': {msg} (got {shown})", param
+    return (f"'{where}': {msg}" if where else msg), param
+
+
+async def openai_error_handler(_: Request, exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def validation_error_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    message, param = describe_validation_error(errors[0]) if errors else ("Invalid request", None)
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return error_response(400, message, param)
+
+
+async def http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail), None,
+                          headers=getattr(exc, "headers", None))

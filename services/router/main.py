@@ -1,0 +1,43 @@
+"""``pdserve router``: run the OpenAI-compatible gateway under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import click
+
+from .settings import RouterSettings
+
+
+
+@click.command("router")
+@click.option("--host", default=None, help="Bind address [PDSERVE_HOST, default 0.0.0.0].")
+@click.option("--port", type=int, default=None, help="HTTP port [PDSERVE_PORT, default 8000].")
+@click.option("--model", default=None, help="Model name or local directory [PDSERVE_MODEL].")
+@click.option("--served-model-name", default=None, help="Name clients send as 'model' [default: --model].")
+@click.option("--redis-url", default=None, help="Redis URL [PDSERVE_REDIS_URL or REDIS_URL].")
+@click.option("--registry-url", default=None, help="Block registry URL [PDSERVE_REGISTRY_URL].")
+@click.option("--api-key", default=None, help="Accepted API key(s), comma-separated [PDSERVE_API_KEY].")
+@click.option("--max-body-bytes", type=int, default=None, help="Largest request body (413 above).")
+@click.option("--max-model-len", type=int, default=None, help="Context length [default: the model's].")
+@click.option("--local-prefill-threshold", type=int, default=None,
+              help="Prompts of at most this many tokens are prefilled on the decode pod.")
+@click.option("--request-timeout-s", type=float, default=None, help="Abort after this long without output.")
+@click.option("--log-level", default=None, help="debug|info|warning|error [PDSERVE_LOG_LEVEL].")
+def command(**flags: Any) -> None:
+    """Run the router (OpenAI-compatible REST gateway). Flags override PDSERVE_* environment variables."""
+    import uvicorn
+
+    from .app import create_app
+
+    settings = RouterSettings(**{k: v for k, v in flags.items() if v is not None})
+    level = settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    command()

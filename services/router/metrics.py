@@ -1,0 +1,50 @@
+"""The router's Prometheus metrics (vLLM's names and buckets, ``pdserve:`` prefix), measured at the router.
+
+TTFT here includes queueing and transfer: it is what the client sees. ITL is the gap between output events of
+one choice; TPOT per request = (E2E - TTFT) / (completion_tokens - 1).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class RouterMetrics:
+    """One registry per app, so several routers (tests) live in one process."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.model_name = model_name
+        self.requests = Counter("pdserve:router_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.running = Gauge("pdserve:num_requests_running", "Requests this router is serving now",
+                             m, registry=r).labels(model_name)
+        self.queue_depth = Gauge("pdserve:prefill_queue_depth", "Entries in the prefill stream (XLEN)",
+                                 m, registry=r).labels(model_name)
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token seen by the router",
+                              m, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Gap between output events of a choice",
+                             m, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("pdserve:time_per_output_token_seconds", "Mean time per output token after the first",
+                              m, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request latency seen by the router",
+                             m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests",
+                                     m, registry=r).labels(model_name)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens of finished requests",
+                                         m, registry=r).labels(model_name)
+        self.success = Counter("pdserve:request_success", "Finished choices by finish reason",
+                               m + ["finished_reason"], registry=r)
+        self.aborted = Counter("pdserve:requests_aborted", "Requests aborted (client gone, timeout, error)",
+                               m + ["reason"], registry=r)
+        self.pd_decisions = Counter("pdserve:pd_decisions", "Prefill placement decisions",
+                                    m + ["decision"], registry=r)

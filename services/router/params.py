@@ -1,0 +1,147 @@
+"""From a validated request body to engine sampling parameters: cross-field rules and context-length checks.
+
+Rules follow vLLM's OpenAI server: ``max_completion_tokens`` wins over ``max_tokens``; an unset
+``max_tokens`` means "up to the context length" (``max_model_len - prompt_len``); a prompt that leaves no room
+for one token is rejected naming the prompt field, a prompt + ``max_tokens`` beyond the context naming
+``max_tokens``. Fields the request leaves unset take the model's ``generation_config.json`` defaults (vLLM's
+``--generation-config auto``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.shared.engine.sampling_params import SamplingParams, SamplingParamsError
+
+from .errors import OpenAIError, bad_request
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+# generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """Sampling defaults the model ships in ``generation_config.json`` (empty when it has none)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return {}
+    config = json.loads(path.read_text())
+    out = {}
+    for key, field_name in _GENERATION_DEFAULTS.items():
+        if config.get(key) is not None:
+            out[field_name] = config[key]
+    if out.get("top_k") == 0:
+        out["top_k"] = -1
+    return out
+
+
+@dataclass(slots=True)
+class RequestPlan:
+    """What the router enqueues for one OpenAI request: for each prompt, ``n`` choices.
+
+    ``sampling[i]`` is ``SamplingParams.to_dict()`` for prompt ``i`` with ``n`` = 1 (the router fans out);
+    choice ``j`` of a seeded request uses ``seed + j`` so the n choices differ but stay reproducible.
+    """
+
+    prompts: list[list[int]]
+    sampling: list[dict[str, Any]]
+    n: int
+
+    def choice_params(self, prompt_index: int, choice: int) -> dict[str, Any]:
+        params = dict(self.sampling[prompt_index])
+        if params.get("seed") is not None and choice:
+            params["seed"] = params["seed"] + choice
+        return params
+
+
+def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Rules pydantic cannot express per field; raise a 400 naming the field."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.add_generation_prompt and req.continue_final_message:
+            raise bad_request("continue_final_message cannot be combined with add_generation_prompt "
+                              "(set add_generation_prompt to false)", "continue_final_message")
+    else:
+        if req.echo:
+            raise bad_request("echo is not supported", "echo")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+
+
+def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str]:
+    """The caller's token limit and the field it came from."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
+                  prompt_param: str, max_tokens_param: str) -> int:
+    """Return the effective ``max_tokens``; raise 400 when prompt and completion do not fit the context."""
+    what = "messages" if prompt_param == "messages" else "prompt"
+    if prompt_len == 0:
+        raise bad_request(f"The {what} is empty (0 tokens); at least one prompt token is required", prompt_param)
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens in the {what}, which leaves no room for output. "
+            f"Please reduce the length of the {what}.", prompt_param)
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} for the completion). "
+            f"Please reduce the length of the {what} or {max_tokens_param}.", max_tokens_param)
+    return max_tokens
+
+
+def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
+                          defaults: dict[str, Any]) -> dict[str, Any]:
+    """Validated ``SamplingParams.to_dict()`` for one choice (n = 1) of ``req``."""
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    values: dict[str, Any] = dict(defaults)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            values[name] = value
+    if values.get("top_k") == 0:  # vLLM and OpenAI-compatible clients use 0 for "disabled" as well
+        values["top_k"] = -1
+    values.update(
+        n=1,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    try:
+        return SamplingParams.from_dict(values).to_dict()
+    except SamplingParamsError as exc:
+        param = exc.param
+        if param == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens:
+            param = "max_completion_tokens"
+        if param == "logprobs" and isinstance(req, ChatCompletionRequest):
+            param = "top_logprobs"
+        raise OpenAIError(400, str(exc), param) from exc

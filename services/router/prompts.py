@@ -1,0 +1,123 @@
+"""Prompts to token ids: the model's chat template and tokenizer (HF ``transformers``), plus token strings.
+
+The chat path renders the template to text (``add_generation_prompt=True`` by default) and tokenizes it without
+adding special tokens again, as vLLM does; the result equals ``tokenizer.apply_chat_template(...,
+tokenize=True)``. Errors are 400s naming the request field.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import bad_request
+from .schemas import ChatMessage
+
+
+def _message_text(message: ChatMessage, index: int) -> str | None:
+    if message.content is None or isinstance(message.content, str):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{index}]: content part of type {part.type!r} is not supported "
+                              "(only 'text')", "messages")
+        texts.append(part.text)
+    # vLLM's "string" content format joins text parts with newlines.
+    return "\n".join(texts)
+
+
+class PromptProcessor:
+    """Chat template, tokenization and detokenization for one model.
+
+    ``max_model_len`` is the context length the router enforces: the given value or the model config's
+    ``max_position_embeddings``.
+    """
+
+    def __init__(self, model_dir: Path, max_model_len: int | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        config = json.loads((self.model_dir / "config.json").read_text())
+        model_max = config.get("max_position_embeddings") or config.get("max_seq_len") or 2048
+        self.max_model_len = int(max_model_len or model_max)
+        self.vocab_size = max(len(self.tokenizer), int(config.get("vocab_size") or 0))
+        self._token_str = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    # ---- chat ----------------------------------------------------------------------------
+
+    def conversation(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        if not messages:
+            raise bad_request("messages must contain at least one message", "messages")
+        out = []
+        for i, m in enumerate(messages):
+            item: dict[str, Any] = {"role": m.role, "content": _message_text(m, i) or ""}
+            if m.name:
+                item["name"] = m.name
+            out.append(item)
+        return out
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        conversation = self.conversation(messages)
+        if continue_final_message and conversation[-1]["role"] != "assistant":
+            raise bad_request("continue_final_message requires the last message to be from the assistant",
+                              "continue_final_message")
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        except Exception as exc:  # jinja raises TemplateError and friends for conversations it refuses
+            raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from exc
+
+    def chat_token_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False,
+                       chat_template_kwargs: dict[str, Any] | None = None,
+                       add_special_tokens: bool = False) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    # ---- completions -----------------------------------------------------------------------
+
+    def prompt_token_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids for each prompt of a completions request (string, strings, ids, or lists of ids)."""
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        elif isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids = self.tokenizer.encode(p, add_special_tokens=add_special_tokens)
+            else:
+                ids = list(p)
+                self.check_token_ids(ids, "prompt")
+            if not ids:
+                raise bad_request("prompt must not be empty", "prompt")
+            out.append(ids)
+        return out
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size})", param)
+
+    # ---- output -----------------------------------------------------------------------------
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def token_str(self, token_id: int) -> str:
+        """The text of one token as OpenAI's logprobs show it."""
+        return self._token_str(token_id)

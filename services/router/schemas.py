@@ -1,0 +1,110 @@
+"""Request bodies shaped like OpenAI's and vLLM's (fields, types, ranges).
+
+Types and single-field ranges are checked here by pydantic (FastAPI turns failures into a 400 naming the
+field); rules that involve several fields or the tokenizer live in ``params.py``. Unknown fields are
+accepted and ignored, as vLLM does, so clients that send newer OpenAI fields keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+# vLLM's default --max-logprobs.
+MAX_LOGPROBS = 20
+MAX_N = 128
+_INT64 = 2**63 - 1
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _SamplingFields(_Body):
+    """Sampling fields common to both endpoints (OpenAI + vLLM extensions)."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Annotated[int, Field(ge=-_INT64 - 1, le=_INT64)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    request_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+Prompt = Union[StrictStr, list[StrictStr], list[TokenId], list[list[TokenId]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    add_special_tokens: StrictBool = True
+
+
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+
+
+class TokenizeChatRequest(_Body):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]

@@ -1,0 +1,50 @@
+"""The router's settings: CLI flags and ``PDSERVE_*`` environment variables, one object (TEAM contract)."""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class RouterSettings(BaseSettings):
+    """``--max-body-bytes`` <-> ``PDSERVE_MAX_BODY_BYTES`` and so on; ``REDIS_URL`` is accepted as well."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_", populate_by_name=True, extra="ignore")
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    model: str = "smollm2-135m-instruct"
+    # Name clients send in "model" (vLLM's --served-model-name); defaults to ``model``.
+    served_model_name: str | None = None
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("PDSERVE_REDIS_URL", "REDIS_URL"),
+    )
+    registry_url: str = "http://127.0.0.1:8001"
+    # Comma-separated list of accepted keys; unset = no authentication.
+    api_key: str | None = None
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
+    # Default: the model's max_position_embeddings.
+    max_model_len: int | None = Field(None, gt=0)
+    # Prompts of at most this many tokens are prefilled by the decode pod itself (0 = never, unless no
+    # prefill pod is alive or the decode pod is colocated).
+    local_prefill_threshold: int = Field(0, ge=0)
+    # How long a pod list from the registry is reused (s).
+    registry_cache_s: float = Field(0.5, ge=0)
+    # A request that sees no output event for this long is aborted with 504 (s).
+    request_timeout_s: float = Field(600.0, gt=0)
+    # Retry-After (s) sent with 503 when no decode pod is alive.
+    retry_after_s: int = Field(1, ge=0)
+    log_level: str = "info"
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def api_keys(self) -> list[str]:
+        if not self.api_key:
+            return []
+        return [k.strip() for k in self.api_key.split(",") if k.strip()]

@@ -1,0 +1,155 @@
+"""A stand-in for the prefill and decode workers, speaking their Redis protocol to the router under test.
+
+It stands in for the real workers (they have their own tests, with the real engine): it reads
+``PrefillRequest``s from the prefill queue (group ``prefill``) and from its decode pods' own streams (group
+``decode``), and answers each with a scripted completion written as ``OutputEvent``s, one token per event,
+honouring ``max_tokens`` and ``logprobs``; it listens on ``pdserve:abort`` and stops a request when told.
+Prompts that mention France are answered " The capital of France is Paris." then EOS; others get a
+repeating sentence (so long ``max_tokens`` finish by length). A prompt containing ``TRIGGER_WORKER_ERROR``
+gets an error event.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest, TokenLogprob
+
+PARIS = " The capital of France is Paris."
+FILLER = " The quick brown fox jumps over the lazy dog."
+
+
+@dataclass
+class Received:
+    stream: str
+    request: PrefillRequest
+
+
+class StandInWorker:
+    def __init__(self, redis_url: str, tokenizer, pod_ids: list[str], delay_s: float = 0.0) -> None:
+        self.redis_url = redis_url
+        self.tokenizer = tokenizer
+        self.pod_ids = pod_ids
+        self.delay_s = delay_s
+        self.received: list[Received] = []
+        self.aborted: set[str] = set()
+        self.abort_seen = threading.Event()
+        self.finished: list[str] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._eos = tokenizer.eos_token_id
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        r = redis.Redis.from_url(self.redis_url)
+        for stream, group in self._streams():
+            try:
+                r.xgroup_create(stream, group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        r.close()
+        self._pubsub_ready = threading.Event()
+        for target in (self._read_loop, self._abort_loop):
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._pubsub_ready.wait(5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
+
+    def _streams(self) -> list[tuple[str, str]]:
+        return [(keys.PREFILL_STREAM, keys.PREFILL_GROUP)] + [
+            (keys.decode_stream(p), keys.DECODE_GROUP) for p in self.pod_ids]
+
+    # ---- loops -------------------------------------------------------------------------------
+
+    def _abort_loop(self) -> None:
+        r = redis.Redis.from_url(self.redis_url)
+        pubsub = r.pubsub()
+        pubsub.subscribe(keys.ABORT_CHANNEL)
+        self._pubsub_ready.set()
+        while not self._stop.is_set():
+            msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
+            if msg and msg["type"] == "message":
+                self.aborted.add(msg["data"].decode())
+                self.abort_seen.set()
+        pubsub.close()
+        r.close()
+
+    def _read_loop(self) -> None:
+        r = redis.Redis.from_url(self.redis_url)
+        while not self._stop.is_set():
+            for stream, group in self._streams():
+                reply = r.xreadgroup(group, "stand-in", {stream: ">"}, count=16, block=20)
+                for _, entries in reply or []:
+                    for entry_id, fields in entries:
+                        req = PrefillRequest.decode(fields)
+                        self.received.append(Received(stream, req))
+                        r.xack(stream, group, entry_id)
+                        r.xdel(stream, entry_id)
+                        t = threading.Thread(target=self._serve, args=(req,), daemon=True)
+                        t.start()
+                        self._threads.append(t)
+        r.close()
+
+    # ---- one request -------------------------------------------------------------------------
+
+    def script(self, req: PrefillRequest) -> list[int]:
+        prompt = self.tokenizer.decode(req.prompt_token_ids)
+        if "France" in prompt:
+            return self.tokenizer.encode(PARIS, add_special_tokens=False) + [self._eos]
+        ids = self.tokenizer.encode(FILLER, add_special_tokens=False)
+        return ids * (req.sampling_params["max_tokens"] // len(ids) + 1)
+
+    def _serve(self, req: PrefillRequest) -> None:
+        r = redis.Redis.from_url(self.redis_url)
+        out = keys.output_stream(req.request_id)
+        try:
+            if r.exists(keys.aborted_key(req.request_id)):
+                return
+            prompt_text = self.tokenizer.decode(req.prompt_token_ids)
+            if "TRIGGER_WORKER_ERROR" in prompt_text:
+                r.xadd(out, OutputEvent(req.request_id, req.choice_index, prompt_tokens=len(req.prompt_token_ids),
+                                        error={"message": "the stand-in worker failed", "type": "InternalServerError",
+                                               "code": 500}).encode())
+                return
+            params = req.sampling_params
+            script = self.script(req)
+            generated: list[int] = []
+            text_so_far = ""
+            k = params.get("logprobs")
+            for token in script[: params["max_tokens"]]:
+                if req.request_id in self.aborted or self._stop.is_set():
+                    return
+                generated.append(token)
+                is_eos = token == self._eos and not params.get("ignore_eos")
+                visible = [t for t in generated if t != self._eos]
+                text = self.tokenizer.decode(visible, skip_special_tokens=True)
+                delta, text_so_far = text[len(text_so_far):], text
+                done = is_eos or len(generated) == params["max_tokens"]
+                logprobs = None
+                if k is not None:
+                    top = [(token, -0.25), (token + 1, -1.5), (token + 2, -3.0)][:k]
+                    logprobs = [TokenLogprob(token, -0.25, top)]
+                event = OutputEvent(req.request_id, req.choice_index, [token], delta,
+                                    ("stop" if is_eos else "length") if done else None, logprobs,
+                                    prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(generated))
+                r.xadd(out, event.encode())
+                if done:
+                    r.expire(out, keys.OUTPUT_TTL_S)
+                    self.finished.append(req.request_id)
+                    return
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+        finally:
+            r.close()
