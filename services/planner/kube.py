@@ -1,0 +1,117 @@
+"""The planner's view of Kubernetes: a Deployment's scale subresource and its pods (``kubernetes`` client).
+
+What it calls, and what the chart's Role grants (templates/planner.yaml):
+  GET   /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale   spec.replicas, status.selector
+  PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale   {"spec": {"replicas": n}} as merge-patch
+  GET   /api/v1/namespaces/{ns}/pods?labelSelector=...           phases, readiness, pod IPs
+Patching the scale subresource (as ``kubectl scale`` and the HPA do) changes nothing else of the Deployment,
+so the planner and ``helm upgrade`` never fight over the pod template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+MERGE_PATCH = "application/merge-patch+json"
+FIELD_MANAGER = "pdserve-planner"
+
+
+class KubeError(RuntimeError):
+    """A Kubernetes API call failed; ``status`` is the HTTP status (0 when no response)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True, frozen=True)
+class Scale:
+    spec_replicas: int
+    status_replicas: int
+    selector: str  # label selector of the Deployment's pods, "k=v,k2=v2"
+
+
+@dataclass(slots=True, frozen=True)
+class PodInfo:
+    name: str
+    phase: str
+    ready: bool
+    ip: str | None
+    deleting: bool
+
+    @property
+    def pending(self) -> bool:
+        return self.phase == "Pending" and not self.deleting
+
+
+def api_client_from_environment() -> k8s.ApiClient:
+    """In a pod: the service account's token; elsewhere: ~/.kube/config (or $KUBECONFIG)."""
+    try:
+        k8s_config.load_incluster_config()
+    except k8s_config.ConfigException:
+        k8s_config.load_kube_config()
+    return k8s.ApiClient()
+
+
+class KubeScaler:
+    """Scale subresource and pod listing for Deployments in one namespace."""
+
+    def __init__(self, namespace: str, api_client: k8s.ApiClient | None = None, timeout_s: float = 10.0) -> None:
+        self.namespace = namespace
+        self._api = api_client or api_client_from_environment()
+        self._apps = k8s.AppsV1Api(self._api)
+        self._core = k8s.CoreV1Api(self._api)
+        self._timeout = timeout_s
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, _request_timeout=self._timeout, **kwargs)
+        except ApiException as exc:
+            raise KubeError(f"{what}: HTTP {exc.status} {exc.reason}: {(exc.body or '')[:300]}", exc.status) from exc
+        except Exception as exc:  # urllib3 connection errors and timeouts
+            raise KubeError(f"{what}: {exc}") from exc
+
+    def get_scale(self, deployment: str) -> Scale:
+        s = self._call(f"get deployments/{deployment}/scale", self._apps.read_namespaced_deployment_scale,
+                       deployment, self.namespace)
+        selector = (s.status.selector if s.status else None) or self._selector_from_deployment(deployment)
+        return Scale(
+            spec_replicas=int((s.spec.replicas if s.spec else None) or 0),
+            status_replicas=int((s.status.replicas if s.status else None) or 0),
+            selector=selector,
+        )
+
+    def _selector_from_deployment(self, deployment: str) -> str:
+        d = self._call(f"get deployments/{deployment}", self._apps.read_namespaced_deployment, deployment, self.namespace)
+        labels = d.spec.selector.match_labels or {}
+        return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+    def set_replicas(self, deployment: str, replicas: int) -> int:
+        """Patch ``spec.replicas``; returns the count the API server stored."""
+        if replicas < 0:
+            raise ValueError("replicas must be >= 0")
+        s = self._call(f"patch deployments/{deployment}/scale", self._apps.patch_namespaced_deployment_scale,
+                       deployment, self.namespace, {"spec": {"replicas": int(replicas)}}, field_manager=FIELD_MANAGER,
+                       _content_type=MERGE_PATCH)
+        return int(s.spec.replicas or 0)
+
+    def list_pods(self, selector: str) -> list[PodInfo]:
+        pods = self._call(f"list pods {selector!r}", self._core.list_namespaced_pod, self.namespace,
+                          label_selector=selector)
+        out = []
+        for p in pods.items:
+            conditions = (p.status.conditions if p.status else None) or []
+            ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+            out.append(PodInfo(
+                name=p.metadata.name,
+                phase=(p.status.phase if p.status else None) or "Unknown",
+                ready=ready,
+                ip=p.status.pod_ip if p.status else None,
+                deleting=p.metadata.deletion_timestamp is not None,
+            ))
+        return out
