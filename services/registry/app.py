@@ -1,0 +1,116 @@
+"""The registry's HTTP API (FastAPI): heartbeats in, alive pods out. API: shared/protocol/registry.py."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from redis.exceptions import RedisError
+
+from pdserve.shared.protocol.registry import ROLES, PodInfo, Role
+from pdserve.services.registry.settings import RegistrySettings
+from pdserve.services.registry.store import PodStore
+
+log = logging.getLogger("pdserve.registry")
+
+
+def error_body(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+               headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.heartbeats = Counter("pdserve:registry_heartbeats_total", "Heartbeats received", ["role"], registry=r)
+        self.deregistrations = Counter("pdserve:registry_deregistrations_total", "Pods deregistered", registry=r)
+        self.redis_errors = Counter("pdserve:registry_redis_errors_total", "Requests failed on Redis", registry=r)
+        self.pods = Gauge("pdserve:registry_pods", "Alive pods (at scrape time)", ["role"], registry=r)
+        self.free_blocks = Gauge("pdserve:registry_free_blocks", "Free KV blocks reported by alive pods",
+                                 ["role"], registry=r)
+
+
+def create_app(settings: RegistrySettings | None = None) -> FastAPI:
+    settings = settings or RegistrySettings()
+    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    store = PodStore(redis, settings.pod_ttl_s)
+    metrics = _Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        log.info("registry: redis %s, pod TTL %.1f s", settings.redis_url, settings.pod_ttl_s)
+        yield
+        await redis.aclose()
+
+    app = FastAPI(title="pdserve registry", lifespan=lifespan)
+    app.state.store = store
+    app.state.settings = settings
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        return error_body(400, f"{param or 'request'}: {err.get('msg')}", "invalid_request_error", param)
+
+    @app.exception_handler(RedisError)
+    async def redis_down(request: Request, exc: RedisError) -> JSONResponse:
+        metrics.redis_errors.inc()
+        log.warning("registry: redis error on %s %s: %s", request.method, request.url.path, exc)
+        return error_body(503, f"registry storage unavailable: {type(exc).__name__}", "service_unavailable",
+                          code="redis_unavailable", headers={"Retry-After": "1"})
+
+    @app.post("/v1/pods")
+    async def heartbeat(info: PodInfo) -> dict:
+        stored = await store.heartbeat(info)
+        metrics.heartbeats.labels(info.role).inc()
+        return stored.model_dump(mode="json")
+
+    @app.get("/v1/pods")
+    async def list_pods(role: Role | None = Query(None)) -> dict:
+        return {"pods": [p.model_dump(mode="json") for p in await store.list(role)]}
+
+    @app.get("/v1/pods/{pod_id}")
+    async def get_pod(pod_id: str):
+        pod = await store.get(pod_id)
+        if pod is None:
+            return error_body(404, f"no pod {pod_id!r} is registered", "not_found_error", "pod_id")
+        return pod.model_dump(mode="json")
+
+    @app.delete("/v1/pods/{pod_id}")
+    async def deregister(pod_id: str):
+        if not await store.delete(pod_id):
+            return error_body(404, f"no pod {pod_id!r} is registered", "not_found_error", "pod_id")
+        metrics.deregistrations.inc()
+        log.info("registry: %s deregistered", pod_id)
+        return {"deleted": True}
+
+    @app.get("/health")
+    async def health():
+        try:
+            await redis.ping()
+        except (RedisError, OSError) as e:
+            return JSONResponse({"status": "unavailable", "reason": f"redis: {type(e).__name__}: {e}"},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        try:
+            pods = await store.list()
+            for role in ROLES:
+                mine = [p for p in pods if p.role == role]
+                metrics.pods.labels(role).set(len(mine))
+                metrics.free_blocks.labels(role).set(sum(p.free_blocks for p in mine))
+        except RedisError:
+            metrics.redis_errors.inc()
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
