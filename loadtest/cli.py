@@ -1,0 +1,85 @@
+"""``pdserve bench``: load tests against any OpenAI-compatible server (see loadtest/README_SECTION.md)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from pdserve.loadtest.errors import LoadTestError
+from pdserve.loadtest.options import GreedyCommand, common_options, to_options
+
+
+def one_line_errors(f):
+    """Bad input becomes click's one-line ``Error: ...`` (exit 1), never a traceback."""
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except LoadTestError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper
+
+
+@click.group()
+def bench() -> None:
+    """Load tests: serve, sweep, mock-server, client-overhead, pd-vs-colocated."""
+
+
+@bench.command("serve", cls=GreedyCommand)
+@common_options
+@click.option("--request-rate", type=float, default=float("inf"), show_default=True,
+              help="Mean requests per second (gamma arrivals); inf = all at once.")
+@click.option("--save-result", type=click.Path(dir_okay=False), default=None, help="Write the result JSON here.")
+@click.option("--save-detailed", is_flag=True, help="Also write per-request JSONL and CSV beside --save-result.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of the latency distributions.")
+@one_line_errors
+def serve(request_rate: float, save_result: str | None, save_detailed: bool, plot: str | None, **kw) -> None:
+    """Run one benchmark and print vLLM's result table."""
+    from pdserve.loadtest.benchmark import prepare, run_prepared, run_sync
+    from pdserve.loadtest.results import format_table, save_detailed as write_detailed, save_json
+
+    opts = to_options(kw, request_rate)
+    if save_detailed and not save_result:
+        raise LoadTestError("--save-detailed needs --save-result PATH (the per-request files go beside it)")
+
+    async def main():
+        info, requests = await prepare(opts)
+        click.echo(f"{len(requests)} requests ({opts.dataset.name}) -> {info.base_url} model {info.model} "
+                   f"at {request_rate:g} req/s", err=True)
+        return await run_prepared(opts, info, requests)
+
+    result, outcome = run_sync(main())
+    click.echo(format_table(result, opts.percentile_metrics, opts.percentiles))
+    if save_result:
+        path = Path(save_result)
+        save_json(result, path)
+        click.echo(f"result: {path}", err=True)
+        if save_detailed:
+            jsonl, csv_path = write_detailed(outcome.records, path)
+            click.echo(f"per-request: {jsonl} {csv_path}", err=True)
+    if plot:
+        from pdserve.loadtest.plots import plot_run
+
+        plot_run(outcome.records, result, Path(plot))
+        click.echo(f"plot: {plot}", err=True)
+
+
+def _register() -> None:
+    from pdserve.loadtest.mock_server import mock_server_command
+    from pdserve.loadtest.overhead import client_overhead_command
+    from pdserve.loadtest.pd_compare import pd_vs_colocated_command
+    from pdserve.loadtest.sweep import sweep_command
+
+    for cmd in (sweep_command, mock_server_command, client_overhead_command, pd_vs_colocated_command):
+        bench.add_command(cmd)
+
+
+_register()
+
+if __name__ == "__main__":
+    sys.exit(bench())

@@ -1,0 +1,149 @@
+"""``pdserve bench pd-vs-colocated``: one workload against disaggregated and colocated pdserve, one table.
+
+The workload mixes short requests with long prompts that keep arriving (every ``--long-every``-th
+request). In a colocated engine each long prefill shares steps with the short requests' decodes, so
+their TPOT and ITL spike (prefill interference); with separate prefill and decode tiers they should
+not. Each configuration is started as ``pdserve up --port P --model M (--prefill 1 --decode 1 |
+--colocated)`` on a free port, used once ``GET /health`` answers 200, and stopped with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from pdserve.loadtest.errors import LoadTestError
+
+MODES = {"disaggregated": ["--prefill", "1", "--decode", "1"], "colocated": ["--colocated"]}
+
+
+def up_unavailable_reason() -> str | None:
+    """Why ``pdserve up`` cannot run disaggregated and colocated here, or None when it can."""
+    try:
+        from pdserve.services.cli import main
+    except ImportError as exc:
+        return f"pdserve's CLI does not import ({exc})"
+    up = main.commands.get("up")
+    if up is None:
+        return "`pdserve up` is not available in this install (the ensemble is not built yet)"
+    params = {p.name for p in up.params}
+    missing = [f"--{n}" for n in ("port", "model", "prefill", "decode", "colocated") if n not in params]
+    if missing:
+        return f"`pdserve up` lacks {', '.join(missing)}"
+    return None
+
+
+def interleave(short: list, long: list, every: int) -> list:
+    """Every ``every``-th request is long, starting with a short one; leftovers go at the end."""
+    out, s, l = [], iter(short), iter(long)
+    for i in range(len(short) + len(long)):
+        nxt = next(l, None) if (i + 1) % every == 0 else next(s, None)
+        if nxt is None:
+            nxt = next(s, None) or next(l)
+        out.append(nxt)
+    return out
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    cols = [("short p50 TPOT", "short", "median_tpot_ms"), ("short p99 TPOT", "short", "p99_tpot_ms"),
+            ("short p99 ITL", "short", "p99_itl_ms"), ("short p50 TTFT", "short", "median_ttft_ms"),
+            ("short p99 TTFT", "short", "p99_ttft_ms"), ("long p99 TTFT", "long", "p99_ttft_ms")]
+    head = f"{'mode':<14}" + "".join(f"{c[0]:>16}" for c in cols) + f"{'out tok/s':>11}{'failed':>8}"
+    lines = [head + "   (ms)", "-" * len(head)]
+    for mode, r in rows.items():
+        cells = "".join(f"{r['by_label'].get(lbl, {}).get(key, math.nan):>16.1f}" for _, lbl, key in cols)
+        lines.append(f"{mode:<14}{cells}{r['output_throughput']:>11.1f}{r['failed']:>8}")
+    return "\n".join(lines)
+
+
+@click.command("pd-vs-colocated")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True)
+@click.option("--num-prompts", type=int, default=48, show_default=True, help="Short plus long requests.")
+@click.option("--long-every", type=int, default=4, show_default=True, help="Every K-th request is a long prompt.")
+@click.option("--short-input-len", type=int, default=64, show_default=True)
+@click.option("--short-output-len", type=int, default=64, show_default=True)
+@click.option("--long-input-len", type=int, default=1024, show_default=True)
+@click.option("--long-output-len", type=int, default=8, show_default=True)
+@click.option("--request-rate", type=float, default=1.0, show_default=True)
+@click.option("--burstiness", type=float, default=1.0, show_default=True)
+@click.option("--max-concurrency", type=int, default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True)
+@click.option("--mode", "modes", type=click.Choice(sorted(MODES)), multiple=True,
+              help="Run only these (default both).")
+@click.option("--up-arg", "up_args", multiple=True, help="Extra argument for `pdserve up` (repeatable).")
+@click.option("--up-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for /health.")
+@click.option("--save-result", type=click.Path(dir_okay=False), default=None)
+@click.option("--disable-tqdm", is_flag=True)
+def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, short_output_len, long_input_len,
+                            long_output_len, request_rate, burstiness, max_concurrency, seed, endpoint, modes,
+                            up_args, up_timeout, save_result, disable_tqdm) -> None:
+    """Same workload against `pdserve up` disaggregated (1 prefill + 1 decode) and colocated; one table."""
+    from pdserve.loadtest.benchmark import BenchOptions, prepare, run_prepared, run_sync, validate
+    from pdserve.loadtest.client import ClientConfig
+    from pdserve.loadtest.datasets import DatasetSpec
+    from pdserve.loadtest.procs import free_port, running
+    from pdserve.loadtest.results import save_json
+    from pdserve.loadtest.runner import RunConfig
+
+    try:
+        if long_every < 2:
+            raise LoadTestError(f"--long-every must be at least 2, got {long_every}")
+        n_long = num_prompts // long_every
+        n_short = num_prompts - n_long
+        base = BenchOptions(
+            client=ClientConfig(base_url="", model=model, endpoint=endpoint),
+            run=RunConfig(request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
+                          seed=seed, show_progress=not disable_tqdm),
+            dataset=DatasetSpec(num_prompts=max(n_short, 1), seed=seed, input_len=short_input_len,
+                                output_len=short_output_len, label="short"),
+            percentiles=(50.0, 90.0, 99.0), tokenizer=model,
+        )
+        validate(base)
+        if n_long < 1:
+            raise LoadTestError("--num-prompts is too small for one long request at this --long-every")
+        reason = up_unavailable_reason()
+        if reason:
+            raise LoadTestError(reason)
+
+        rows: dict[str, dict[str, Any]] = {}
+        requests = None
+        for mode in modes or tuple(MODES):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model,
+                   *MODES[mode], *up_args]
+            click.echo(f"[{mode}] starting: {' '.join(cmd[2:])}", err=True)
+            with running(cmd, url + "/health", timeout_s=up_timeout):
+                opts = replace(base, client=replace(base.client, base_url=url), label=mode)
+
+                async def main(opts=opts):
+                    nonlocal requests
+                    if requests is None:
+                        info, short = await prepare(opts)
+                        long_opts = replace(opts, dataset=replace(opts.dataset, num_prompts=n_long, seed=seed + 1,
+                                                                  input_len=long_input_len,
+                                                                  output_len=long_output_len, label="long"))
+                        _, long = await prepare(long_opts)
+                        requests = interleave(short[:n_short], long, long_every)
+                    else:
+                        from pdserve.loadtest.preflight import check_server
+
+                        info = await check_server(url, model)
+                    result, _ = await run_prepared(opts, info, requests)
+                    return result
+
+                rows[mode] = run_sync(main())
+                click.echo(f"[{mode}] done: {rows[mode]['completed']} ok, {rows[mode]['failed']} failed", err=True)
+    except LoadTestError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{n_short} short ({short_input_len} in / {short_output_len} out) + {n_long} long "
+               f"({long_input_len} in / {long_output_len} out) at {request_rate:g} req/s, model {model}")
+    click.echo(table(rows))
+    if save_result:
+        save_json({"modes": rows}, Path(save_result))

@@ -1,0 +1,86 @@
+"""Servers the benchmarks start for themselves (the mock, ``pdserve up``): start, wait until ready, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+from pdserve.loadtest.errors import LoadTestError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str, n: int = 5) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: str, timeout_s: float) -> None:
+    """Poll ``GET url`` until 200; :class:`LoadTestError` if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LoadTestError(f"{' '.join(proc.args[:4])} exited with {proc.returncode}: {_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    raise LoadTestError(f"{url} was not healthy after {timeout_s:g} s: {_tail(log_path)}")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(5)
+
+
+@contextmanager
+def running(cmd: list[str], health_url: str, timeout_s: float = 300.0,
+            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Run ``cmd`` in its own process group until the block ends; its output goes to a temp log."""
+    log = tempfile.NamedTemporaryFile(prefix="pdserve-bench-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+    try:
+        wait_healthy(health_url, proc, log.name, timeout_s)
+        yield proc
+    finally:
+        stop(proc)
+        log.close()
+        os.unlink(log.name)
+
+
+def mock_cmd(port: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.loadtest.cli", "mock-server", "--port", str(port), *args]
