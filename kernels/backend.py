@@ -1,0 +1,158 @@
+"""Attention backends: one interface over the PyTorch reference and the Triton kernels.
+
+Model code calls, per layer and step::
+
+    backend = get_attention_backend("auto", device)      # once, at engine start
+    backend.reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
+    out = backend.forward(q, k_cache, v_cache, md, scale)
+
+Both backends take the same tensors (shapes in ``attention_ref``) and return the same thing, so the
+engine switches with a flag (vLLM's ``VLLM_ATTENTION_BACKEND`` idea). ``"auto"`` picks ``triton`` on
+CUDA and ``torch`` elsewhere. ``"triton"`` on CPU runs Triton's interpreter, which must be switched on
+with ``TRITON_INTERPRET=1`` before the kernel modules are first imported (``triton.jit`` reads it
+then); it is meant for tests, not speed.
+
+The Triton backend sends decodes (``query_len == 1``) to the split-K decode kernel and everything
+else (prefill chunks, with or without a cached prefix) to the prefill kernel, both writing into one
+output tensor; the split of the batch is computed once per step (``md.cache``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal, Protocol
+
+import torch
+
+from pdserve.kernels.attention_metadata import AttentionMetadata
+
+BackendName = Literal["auto", "torch", "triton"]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write [num_tokens, num_kv_heads, head_dim] K/V into their slots; slot -1 is skipped."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """[num_tokens, num_heads, head_dim] query -> same-shaped output, causal over paged K/V."""
+
+
+class TorchAttentionBackend:
+    """The PyTorch reference (``attention_ref``): any device, any dtype."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        from pdserve.kernels import attention_ref
+
+        self._ref = attention_ref
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._ref.reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, md, scale) -> torch.Tensor:
+        return self._ref.paged_attention_ref(query, k_cache, v_cache, md, scale)
+
+    def __repr__(self) -> str:
+        return "TorchAttentionBackend()"
+
+
+class TritonAttentionBackend:
+    """Triton kernels: ``triton_reshape_and_cache``, ``triton_paged_attention_decode`` / ``_prefill``."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from pdserve.kernels import (
+            triton_paged_attention_decode,
+            triton_paged_attention_prefill,
+            triton_reshape_and_cache,
+        )
+
+        self._cache_write = triton_reshape_and_cache.reshape_and_cache
+        self._decode = triton_paged_attention_decode.paged_attention_decode
+        self._prefill = triton_paged_attention_prefill.paged_attention_prefill
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._cache_write(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, md, scale) -> torch.Tensor:
+        split = md.cache.get("triton_batch_split")
+        if split is None:
+            decodes = [s for s, q in enumerate(md.query_lens_cpu) if q == 1]
+            prefills = [s for s, q in enumerate(md.query_lens_cpu) if q > 1]
+            split = md.cache["triton_batch_split"] = (decodes, prefills)
+        decodes, prefills = split
+        if not prefills:
+            all_decode = len(decodes) == md.num_seqs
+            return self._decode(query, k_cache, v_cache, md, scale, seq_ids=None if all_decode else decodes)
+        out = self._prefill(query, k_cache, v_cache, md, scale, seq_ids=prefills)
+        if decodes:
+            self._decode(query, k_cache, v_cache, md, scale, out=out, seq_ids=decodes)
+        return out
+
+    def __repr__(self) -> str:
+        return "TritonAttentionBackend()"
+
+
+def _triton_interpreting() -> bool:
+    from triton import knobs  # parses TRITON_INTERPRET exactly as triton.jit will
+
+    return bool(knobs.runtime.interpret)
+
+
+def get_attention_backend(name: BackendName = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """Return the attention backend ``name`` for tensors on ``device``.
+
+    ``"auto"``: ``triton`` on CUDA when triton is installed, else ``torch``.
+    ``"torch"``: the reference, anywhere.
+    ``"triton"``: CUDA; on CPU only under ``TRITON_INTERPRET=1`` (set before the kernels are imported).
+    Raises ValueError for an unknown name, or for ``"triton"`` where it cannot run (the message says why).
+    """
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name != "triton":
+        raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("attention backend 'triton' needs the triton package (pip install triton)")
+    if device.type == "cuda":
+        if _triton_interpreting():
+            raise ValueError("attention backend 'triton' on CUDA: unset TRITON_INTERPRET (it forces the CPU interpreter)")
+    elif device.type == "cpu":
+        if not _triton_interpreting():
+            raise ValueError(
+                "attention backend 'triton' on CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before starting (or use attention_backend='torch')"
+            )
+    else:
+        raise ValueError(f"attention backend 'triton' supports cuda (and cpu under TRITON_INTERPRET=1), not {device.type}")
+    backend = TritonAttentionBackend()
+    from pdserve.kernels.triton_common import is_interpreted
+    from pdserve.kernels.triton_paged_attention_prefill import _prefill_kernel
+
+    if is_interpreted(_prefill_kernel) != (device.type == "cpu"):
+        # triton.jit reads TRITON_INTERPRET when a kernel module is first imported
+        raise ValueError(
+            "the pdserve Triton kernels were already imported "
+            + ("for the GPU; set TRITON_INTERPRET=1 at process start" if device.type == "cpu" else "for the interpreter; unset TRITON_INTERPRET")
+        )
+    return backend
