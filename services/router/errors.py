@@ -6,6 +6,7 @@ e.g. "BadRequestError"), ``code`` is the HTTP status, ``param`` names the offend
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import Request
@@ -56,6 +57,14 @@ def error_response(status: int, message: str, param: str | None = None,
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Za-z]+\[.*\]|function-.*)$")
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Drop pydantic's union-branch tags ("str", "list[str]", ...) from an error location."""
+    return tuple(p for p in loc if not (isinstance(p, str) and _TYPE_TAG.match(p)))
+
+
 def _param_of(loc: tuple[Any, ...]) -> str | None:
     """``("body", "messages", 0, "content")`` -> "messages"; the top-level field is what OpenAI names."""
     parts = list(loc)
@@ -72,7 +81,7 @@ def describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
     if err.get("type") == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return f"Malformed JSON body: {detail}".rstrip(": "), None
-    loc = tuple(err.get("loc", ()))
+    loc = _clean_loc(tuple(err.get("loc", ())))
     param = _param_of(loc)
     where = ".".join(str(p) for p in loc[1:] if p is not None) if loc and loc[0] == "body" else ""
     msg = err.get("msg", "invalid value")
@@ -95,8 +104,10 @@ async def openai_error_handler(_: Request, exc: OpenAIError) -> JSONResponse:
 async def validation_error_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     message, param = describe_validation_error(errors[0]) if errors else ("Invalid request", None)
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    # A union field fails once per accepted type; count only errors about other fields.
+    others = {_param_of(_clean_loc(tuple(e.get("loc", ())))) for e in errors[1:]} - {param}
+    if others:
+        message += f" (and errors in {', '.join(sorted(str(o) for o in others))})"
     return error_response(400, message, param)
 
 

@@ -30,6 +30,16 @@ class Received:
     request: PrefillRequest
 
 
+# XADD unless the request was aborted, and refresh the stream's TTL, atomically: a late event can neither
+# recreate an output stream the router deleted on abort, nor leave one without a TTL.
+_XADD_UNLESS_ABORTED = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+
 class StandInWorker:
     def __init__(self, redis_url: str, tokenizer, pod_ids: list[str], delay_s: float = 0.0) -> None:
         self.redis_url = redis_url
@@ -114,14 +124,20 @@ class StandInWorker:
     def _serve(self, req: PrefillRequest) -> None:
         r = redis.Redis.from_url(self.redis_url)
         out = keys.output_stream(req.request_id)
+        xadd = r.register_script(_XADD_UNLESS_ABORTED)
+
+        def emit(event: OutputEvent) -> bool:
+            flat = [x for kv in event.encode().items() for x in kv]
+            return bool(xadd(keys=[out, keys.aborted_key(req.request_id)], args=[keys.OUTPUT_TTL_S, *flat]))
+
         try:
             if r.exists(keys.aborted_key(req.request_id)):
                 return
             prompt_text = self.tokenizer.decode(req.prompt_token_ids)
             if "TRIGGER_WORKER_ERROR" in prompt_text:
-                r.xadd(out, OutputEvent(req.request_id, req.choice_index, prompt_tokens=len(req.prompt_token_ids),
-                                        error={"message": "the stand-in worker failed", "type": "InternalServerError",
-                                               "code": 500}).encode())
+                emit(OutputEvent(req.request_id, req.choice_index, prompt_tokens=len(req.prompt_token_ids),
+                                 error={"message": "the stand-in worker failed", "type": "InternalServerError",
+                                        "code": 500}))
                 return
             params = req.sampling_params
             script = self.script(req)
@@ -144,9 +160,9 @@ class StandInWorker:
                 event = OutputEvent(req.request_id, req.choice_index, [token], delta,
                                     ("stop" if is_eos else "length") if done else None, logprobs,
                                     prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(generated))
-                r.xadd(out, event.encode())
+                if not emit(event):
+                    return
                 if done:
-                    r.expire(out, keys.OUTPUT_TTL_S)
                     self.finished.append(req.request_id)
                     return
                 if self.delay_s:

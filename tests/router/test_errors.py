@@ -1,0 +1,166 @@
+"""Bad input gets OpenAI's error body naming the parameter, the right status, and the router stays healthy.
+
+Each case sends one bad request over real HTTP and then a valid one, which must be answered normally (the
+stand-in worker plays the backend; it stands in for the real workers, which have their own tests).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields):
+    return ("/v1/chat/completions", {"model": MODEL, "messages": MSGS, **fields})
+
+
+def completion(**fields):
+    return ("/v1/completions", {"model": MODEL, "prompt": "Hello", **fields})
+
+
+def without(path_body, field):
+    path, body = path_body
+    return path, {k: v for k, v in body.items() if k != field}
+
+
+BAD_400 = {
+    "temperature negative": (chat(temperature=-0.5), "temperature"),
+    "temperature not a number": (chat(temperature="hot"), "temperature"),
+    "top_p above 1": (chat(top_p=1.5), "top_p"),
+    "top_p zero": (chat(top_p=0), "top_p"),
+    "n zero": (chat(n=0), "n"),
+    "n not an integer": (chat(n=1.5), "n"),
+    "max_tokens zero": (chat(max_tokens=0), "max_tokens"),
+    "max_tokens a string": (chat(max_tokens="ten"), "max_tokens"),
+    "max_completion_tokens zero": (chat(max_completion_tokens=0), "max_completion_tokens"),
+    "top_k fractional": (chat(top_k=2.5), "top_k"),
+    "top_k below -1": (chat(top_k=-2), "top_k"),
+    "min_p above 1": (chat(min_p=1.5), "min_p"),
+    "presence_penalty above 2": (chat(presence_penalty=3), "presence_penalty"),
+    "frequency_penalty below -2": (chat(frequency_penalty=-3), "frequency_penalty"),
+    "repetition_penalty zero": (chat(repetition_penalty=0), "repetition_penalty"),
+    "seed a string": (chat(seed="abc"), "seed"),
+    "logprobs not a bool": (chat(logprobs="yes"), "logprobs"),
+    "top_logprobs above 20": (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    "top_logprobs without logprobs": (chat(top_logprobs=2), "top_logprobs"),
+    "stop a number": (chat(stop=5), "stop"),
+    "stop_token_ids negative": (chat(stop_token_ids=[-1]), "stop_token_ids"),
+    "stream not a bool": (chat(stream="yes"), "stream"),
+    "stream_options without stream": (chat(stream_options={"include_usage": True}), "stream_options"),
+    "min_tokens above max_tokens": (chat(max_tokens=2, min_tokens=5), "min_tokens"),
+    "prompt + max_tokens beyond the context": (chat(max_tokens=8190), "max_tokens"),
+    "messages missing": (without(chat(), "messages"), "messages"),
+    "messages empty": (chat(messages=[]), "messages"),
+    "message role unknown": (chat(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
+    "message content a number": (chat(messages=[{"role": "user", "content": 5}]), "messages"),
+    "message content an image": (chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "messages"),
+    "prompt empty string": (completion(prompt=""), "prompt"),
+    "prompt empty list": (completion(prompt=[]), "prompt"),
+    "prompt token id out of vocabulary": (completion(prompt=[1, 10**9]), "prompt"),
+    "prompt missing": (without(completion(), "prompt"), "prompt"),
+    "prompt of the whole context": (completion(prompt=[1] * 8192), "prompt"),
+    "token prompt + max_tokens beyond the context": (completion(prompt=[1] * 8000, max_tokens=500), "max_tokens"),
+    "completion logprobs above 20": (completion(logprobs=21), "logprobs"),
+    "completion logprobs negative": (completion(logprobs=-1), "logprobs"),
+    "echo": (completion(echo=True), "echo"),
+    "tokenize prompt not a string": (("/tokenize", {"model": MODEL, "prompt": 5}), "prompt"),
+    "detokenize token out of vocabulary": (("/detokenize", {"model": MODEL, "tokens": [10**9]}), "tokens"),
+    "detokenize tokens negative": (("/detokenize", {"model": MODEL, "tokens": [-3]}), "tokens"),
+}
+
+
+def assert_error(resp: httpx.Response, status: int, err_type: str, param: str | None) -> None:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == err_type
+    assert body["error"]["param"] == param
+    assert body["error"]["code"] == status
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+def assert_next_request_works(router) -> None:
+    resp = httpx.post(router.url + "/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "What about France?"}]})
+    assert resp.status_code == 200, resp.text
+    assert "Paris" in resp.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("case", list(BAD_400))
+def test_bad_parameter_gets_400_naming_it(router, worker, case):
+    (path, body), param = BAD_400[case]
+    resp = httpx.post(router.url + path, json=body, timeout=30)
+    assert_error(resp, 400, "BadRequestError", param)
+    assert worker.received == []  # nothing was queued
+    assert_next_request_works(router)
+
+
+def test_long_chat_prompt_is_rejected_naming_messages(router, worker, processor):
+    content = "hello " * 9000
+    assert len(processor.tokenizer.encode(content)) >= 8192
+    resp = httpx.post(router.url + "/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": content}]})
+    assert_error(resp, 400, "BadRequestError", "messages")
+    assert "maximum context length is 8192" in resp.json()["error"]["message"]
+    assert_next_request_works(router)
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "smollm2-135m-instruct", "messages": [', b"not json", b"[1, 2]", b""])
+def test_malformed_json_gets_400(router, worker, raw):
+    resp = httpx.post(router.url + "/v1/chat/completions", content=raw, timeout=30,
+                      headers={"content-type": "application/json"})
+    assert_error(resp, 400, "BadRequestError", None)
+    assert_next_request_works(router)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+def test_unknown_model_gets_404_naming_model(router, worker, path):
+    body = {"model": "gpt-17", "messages": MSGS} if "chat" in path else {"model": "gpt-17", "prompt": "Hi"}
+    resp = httpx.post(router.url + path, json=body, timeout=30)
+    assert_error(resp, 404, "NotFoundError", "model")
+    assert "gpt-17" in resp.json()["error"]["message"]
+    assert_next_request_works(router)
+
+
+def test_body_over_the_limit_gets_413_by_content_length(router, worker):
+    big = {"model": MODEL, "prompt": "x" * (router.settings.max_body_bytes + 10)}
+    resp = httpx.post(router.url + "/v1/completions", json=big, timeout=30)
+    assert_error(resp, 413, "RequestTooLargeError", None)
+    assert_next_request_works(router)
+
+
+def test_body_over_the_limit_gets_413_when_streamed_without_length(router, worker):
+    def chunks():
+        yield b'{"model": "smollm2-135m-instruct", "prompt": "'
+        for _ in range(router.settings.max_body_bytes // 1000 + 2):
+            yield b"x" * 1000
+        yield b'"}'
+
+    resp = httpx.post(router.url + "/v1/completions", content=chunks(), timeout=30,
+                      headers={"content-type": "application/json"})
+    assert "content-length" not in resp.request.headers
+    assert_error(resp, 413, "RequestTooLargeError", None)
+    assert_next_request_works(router)
+
+
+def test_no_decode_pod_gets_503_with_retry_after(router, worker):
+    saved = router.pods.pods
+    router.pods.pods = [p for p in saved if p.role != "decode"]
+    try:
+        resp = httpx.post(router.url + "/v1/chat/completions", json=chat()[1], timeout=30)
+        assert_error(resp, 503, "ServiceUnavailableError", None)
+        assert int(resp.headers["retry-after"]) >= 1
+        assert worker.received == []
+    finally:
+        router.pods.pods = saved
+    assert_next_request_works(router)
+
+
+def test_unknown_route_and_method_get_openai_bodies(router):
+    assert_error(httpx.get(router.url + "/v1/nothing", timeout=30), 404, "NotFoundError", None)
+    assert_error(httpx.get(router.url + "/v1/chat/completions", timeout=30), 405, "MethodNotAllowedError", None)
