@@ -28,13 +28,26 @@ def up_unavailable_reason() -> str | None:
         from pdserve.services.cli import main
     except ImportError as exc:
         return f"pdserve's CLI does not import ({exc})"
-    up = main.commands.get("up")
-    if up is None:
-        return "`pdserve up` is not available in this install (the ensemble is not built yet)"
-    params = {p.name for p in up.params}
-    missing = [f"--{n}" for n in ("port", "model", "prefill", "decode", "colocated") if n not in params]
+    import click as _click
+
+    up = main.get_command(_click.Context(main), "up") if isinstance(main, _click.Group) else None
+    if up is None or (up.help or "").startswith("(unavailable"):
+        detail = f": {up.help[len('(unavailable: '):-1]}" if up is not None and up.help else ""
+        return f"`pdserve up` is not available in this install (the ensemble is not built yet){detail}"
+    flags = {o for p in up.params for o in getattr(p, "opts", [])}
+    missing = [f for f in ("--port", "--model", "--prefill", "--decode", "--colocated") if f not in flags]
     if missing:
         return f"`pdserve up` lacks {', '.join(missing)}"
+    import importlib.util
+
+    for service in ("router", "prefill", "decode", "registry"):
+        module = f"pdserve.services.{service}.main"
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            return f"`pdserve up` cannot start the ensemble yet: {module} is missing"
     return None
 
 
@@ -97,7 +110,7 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
         n_long = num_prompts // long_every
         n_short = num_prompts - n_long
         base = BenchOptions(
-            client=ClientConfig(base_url="", model=model, endpoint=endpoint),
+            client=ClientConfig(base_url="http://127.0.0.1", model=model, endpoint=endpoint),
             run=RunConfig(request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
                           seed=seed, show_progress=not disable_tqdm),
             dataset=DatasetSpec(num_prompts=max(n_short, 1), seed=seed, input_len=short_input_len,

@@ -1,0 +1,43 @@
+"""Real mock servers (separate processes, free ports) for the load-test suite's end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from pdserve.loadtest.procs import free_port, mock_cmd, running
+
+TOKENIZER = "smollm2-135m-instruct"
+
+
+class Mock:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(self.url + "/mock/stats", timeout=10) as r:
+            return json.load(r)
+
+    def generation_requests(self) -> int:
+        reqs = self.stats()["requests"]
+        return reqs.get("/v1/completions", 0) + reqs.get("/v1/chat/completions", 0)
+
+
+def _start(*args: str):
+    port = free_port()
+    with running(mock_cmd(port, *args), f"http://127.0.0.1:{port}/health", timeout_s=120):
+        yield Mock(f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def mock():
+    """TTFT 50 ms, 100 tokens/s, one token per chunk, exact /tokenize with the default model's tokenizer."""
+    yield from _start("--ttft-ms", "50", "--token-rate", "100", "--tokenizer", TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def flaky_mock():
+    """Every third request fails with HTTP 500; chunks carry three tokens; no /tokenize."""
+    yield from _start("--ttft-ms", "5", "--token-rate", "1000", "--tokens-per-chunk", "3", "--fail-every", "3")
