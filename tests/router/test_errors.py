@@ -149,16 +149,27 @@ def test_body_over_the_limit_gets_413_when_streamed_without_length(router, worke
 
 
 def test_no_decode_pod_gets_503_with_retry_after(router, worker):
-    saved = router.pods.pods
-    router.pods.pods = [p for p in saved if p.role != "decode"]
-    try:
-        resp = httpx.post(router.url + "/v1/chat/completions", json=chat()[1], timeout=30)
-        assert_error(resp, 503, "ServiceUnavailableError", None)
-        assert int(resp.headers["retry-after"]) >= 1
-        assert worker.received == []
-    finally:
-        router.pods.pods = saved
+    router.pods.remove("decode-0")
+    resp = httpx.post(router.url + "/v1/chat/completions", json=chat()[1], timeout=30)
+    assert_error(resp, 503, "ServiceUnavailableError", None)
+    assert int(resp.headers["retry-after"]) >= 1
+    assert worker.received == []
+    router.pods.add("decode-0")
     assert_next_request_works(router)
+
+
+def test_unreachable_registry_gets_503(redis_url, processor, pods, worker):
+    from conftest import free_port, start_router
+    from pdserve.services.router.settings import RouterSettings
+
+    dead = start_router(RouterSettings(redis_url=redis_url, registry_url=f"http://127.0.0.1:{free_port()}"),
+                        processor, pods)
+    try:
+        resp = httpx.post(dead.url + "/v1/chat/completions", json=chat()[1], timeout=30)
+        assert_error(resp, 503, "ServiceUnavailableError", None)
+        assert "registry" in resp.json()["error"]["message"]
+    finally:
+        dead.stop()
 
 
 def test_unknown_route_and_method_get_openai_bodies(router):
