@@ -9,7 +9,7 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
-from conftest import CHART, VALUES_FILES, by_kind, helm, load_values
+from chart_render import CHART, VALUES_FILES, by_kind, helm, load_values
 
 KUBE_VERSIONS = ["1.29", "1.33"]
 
@@ -40,7 +40,7 @@ def test_every_manifest_validates_strictly(rendered, kube_version):
 
 def test_a_broken_manifest_is_caught_by_the_validator(chart):
     """The oracle itself can fail: a typo'd field in a rendered Deployment is rejected in strict mode."""
-    from conftest import render_docs
+    from chart_render import render_docs
 
     deploy = next(d for d in render_docs(chart) if d["kind"] == "Deployment")
     deploy["spec"]["template"]["spec"]["containers"][0]["readinessprobe"] = {}
@@ -89,7 +89,7 @@ def test_custom_resources_carry_their_required_fields(rendered):
 
 
 def test_every_mode_renders_its_autoscaler(chart):
-    from conftest import render_docs
+    from chart_render import render_docs
 
     kinds = {case: {d["kind"] for d in render_docs(chart, load_values(case))} for case in ("default", "hpa", "keda", "planner")}
     scalers = {"HorizontalPodAutoscaler", "ScaledObject"}

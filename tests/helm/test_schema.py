@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import VALUES_FILES, helm, load_values
+from chart_render import VALUES_FILES, helm, load_values
 
 
 @pytest.mark.parametrize("case", list(VALUES_FILES))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import RELEASE, by_kind, load_values, render_docs
+from chart_render import RELEASE, by_kind, load_values, render_docs
 
 FULL = f"{RELEASE}-pdserve"
 TIERS = ("router", "registry", "prefill", "decode")

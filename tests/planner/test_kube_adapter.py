@@ -1,0 +1,104 @@
+"""KubeScaler against a stand-in API server over real HTTP.
+
+No Kubernetes API server can run on this machine, so ``fake_kube.FakeKubeServer`` speaks the endpoints the
+planner uses (deployments/scale GET and merge-patch PATCH, pods list) with the API server's shapes and status
+codes. What is checked is the adapter's side of the contract: the paths, the patch content type and body,
+and how responses and errors are read.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fake_kube import FakePod
+from pdserve.services.planner.kube import KubeError, KubeScaler
+
+PREFILL = "demo-pdserve-prefill"
+SELECTOR = "app.kubernetes.io/component=prefill,app.kubernetes.io/instance=demo"
+
+
+def test_get_scale_reads_replicas_and_the_pod_selector(kube):
+    state, api = kube
+    scale = KubeScaler("llm", api).get_scale(PREFILL)
+    assert (scale.spec_replicas, scale.status_replicas, scale.selector) == (2, 2, SELECTOR)
+    assert state.requests[-1].method == "GET"
+    assert state.requests[-1].path == f"/apis/apps/v1/namespaces/llm/deployments/{PREFILL}/scale"
+
+
+def test_set_replicas_sends_a_merge_patch_of_spec_replicas_only(kube):
+    state, api = kube
+    stored = KubeScaler("llm", api).set_replicas(PREFILL, 5)
+    assert stored == 5 and state.deployments[PREFILL].replicas == 5
+    req = state.requests[-1]
+    assert req.method == "PATCH" and req.path.startswith(f"/apis/apps/v1/namespaces/llm/deployments/{PREFILL}/scale")
+    assert req.content_type == "application/merge-patch+json"
+    assert req.body == {"spec": {"replicas": 5}}
+    assert "fieldManager=pdserve-planner" in req.path
+    # The next read sees what was written.
+    assert KubeScaler("llm", api).get_scale(PREFILL).spec_replicas == 5
+
+
+def test_unknown_deployment_is_a_clear_error_with_the_status(kube):
+    _, api = kube
+    with pytest.raises(KubeError, match="HTTP 404") as err:
+        KubeScaler("llm", api).get_scale("nope")
+    assert err.value.status == 404
+    with pytest.raises(KubeError, match="HTTP 404"):
+        KubeScaler("llm", api).set_replicas("nope", 1)
+
+
+def test_the_stand_in_refuses_a_patch_that_is_not_a_merge_patch(kube):
+    """The oracle can fail: a plain JSON PATCH (not a patch media type) is refused with 415, as the API server does."""
+    import httpx
+
+    state, api = kube
+    url = f"{api.configuration.host}/apis/apps/v1/namespaces/llm/deployments/{PREFILL}/scale"
+    resp = httpx.patch(url, json={"spec": {"replicas": 4}})
+    assert resp.status_code == 415 and resp.json()["reason"] == "UnsupportedMediaType"
+    assert state.deployments[PREFILL].replicas == 2
+
+
+def test_negative_replicas_never_reach_the_api(kube):
+    state, api = kube
+    with pytest.raises(ValueError):
+        KubeScaler("llm", api).set_replicas(PREFILL, -1)
+    assert not [r for r in state.requests if r.method == "PATCH"]
+
+
+def test_list_pods_by_selector_reports_phase_readiness_ip_and_deletion(kube):
+    state, api = kube
+    labels = {"app.kubernetes.io/component": "prefill", "app.kubernetes.io/instance": "demo"}
+    state.pods = [
+        FakePod("p-0", labels, "Running", True, "10.0.0.4"),
+        FakePod("p-1", labels, "Pending", False, None),
+        FakePod("p-2", labels, "Pending", False, None, deleting=True),
+        FakePod("d-0", {"app.kubernetes.io/component": "decode", "app.kubernetes.io/instance": "demo"}),
+    ]
+    pods = {p.name: p for p in KubeScaler("llm", api).list_pods(SELECTOR)}
+    assert set(pods) == {"p-0", "p-1", "p-2"}
+    assert (pods["p-0"].phase, pods["p-0"].ready, pods["p-0"].ip, pods["p-0"].pending) == ("Running", True, "10.0.0.4", False)
+    assert pods["p-1"].pending and not pods["p-1"].ready and pods["p-1"].ip is None
+    assert not pods["p-2"].pending, "a Pending pod being deleted is not waiting for a node"
+    path = state.requests[-1].path
+    assert path.startswith("/api/v1/namespaces/llm/pods?") and "labelSelector=" in path
+
+
+def test_unreachable_api_server_is_a_kube_error():
+    from kubernetes import client as k8s
+
+    from fake_kube import FakeKube, FakeKubeServer
+
+    with FakeKubeServer(FakeKube()) as server:
+        url = server.url
+    with k8s.ApiClient(k8s.Configuration(host=url)) as api:
+        with pytest.raises(KubeError) as err:
+            KubeScaler("llm", api, timeout_s=2).get_scale(PREFILL)
+    assert err.value.status == 0
+
+
+def test_recorded_bodies_are_json(kube):
+    state, api = kube
+    KubeScaler("llm", api).set_replicas(PREFILL, 3)
+    assert json.dumps(state.requests[-1].body) == '{"spec": {"replicas": 3}}'
