@@ -16,6 +16,7 @@ stage 1 writes the normalised output itself and stage 2 is skipped.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,6 +37,23 @@ LOG2E = 1.4426950408889634
 # A partition shorter than this is not worth its partial-result traffic and reduction.
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Launch parameters of stage 1 (``kernels/bench.py --sweep`` times alternatives on a GPU).
+
+    block_n: context tokens per inner-loop tile; num_warps / num_stages: Triton's launch options.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_decode_config(dtype: torch.dtype) -> DecodeConfig:
+    # fp32 tiles are twice the bytes: halve them to stay within shared memory on A100-class parts
+    return DecodeConfig(block_n=32) if dtype == torch.float32 else DecodeConfig()
 
 
 @triton.jit
@@ -227,6 +245,7 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     seq_ids: list[int] | None = None,
     num_splits: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of each decode sequence's single query token over its paged K/V.
 
@@ -239,7 +258,8 @@ def paged_attention_decode(
     out:     [num_tokens, num_heads, head_dim] to write rows into (others untouched); default a new
              tensor whose rows of other sequences are left uninitialised.
     num_splits: partitions per sequence (rounded up to a power of two); default ``choose_num_splits``.
-    Returns ``out``.
+    config:  tile and launch parameters; default ``default_decode_config(dtype)``.
+    Returns ``out``. Raises ValueError on inconsistent shapes, dtypes or metadata.
     """
     check_cache(k_cache, v_cache)
     check_query(query, k_cache)
@@ -269,6 +289,7 @@ def paged_attention_decode(
         num_splits = choose_num_splits(max_len, n, num_kv_heads, query.device)
     num_splits = 1 << (max(1, num_splits) - 1).bit_length()
     queries_per_kv = num_heads // num_kv_heads
+    config = config or default_decode_config(k_cache.dtype)
     if num_splits > 1:
         part_max, part_sum, part_acc = _workspace(md, n, num_heads, num_splits, head_dim, query.device)
     else:
@@ -303,13 +324,13 @@ def paged_attention_decode(
         BLOCK_H=max(16, next_power_of_2(queries_per_kv)),
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
-        BLOCK_N=64,
+        BLOCK_N=config.block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         HAS_SEQ_IDS=seq_ids_t is not None,
         FP32_DOT=dot_in_fp32(k_cache.dtype, is_interpreted(_decode_partition_kernel)),
-        num_warps=4,
-        num_stages=2,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(n, num_heads)](

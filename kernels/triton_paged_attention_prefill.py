@@ -16,6 +16,8 @@ Any ``query_len >= 1`` works, decodes included.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,8 +33,25 @@ from pdserve.kernels.triton_common import (
 )
 
 LOG2E = 1.4426950408889634
-BLOCK_M = 64  # query rows (tokens x heads of a group) per program
-BLOCK_N = 64  # keys per inner-loop tile
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Launch parameters (``kernels/bench.py --sweep`` times alternatives on a GPU).
+
+    block_m: query rows (tokens x query heads of one KV head) per program, at least the group size;
+    block_n: keys per inner-loop tile; num_warps / num_stages: Triton's launch options.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_prefill_config(dtype: torch.dtype) -> PrefillConfig:
+    # fp32 tiles are twice the bytes: halve the key tile to stay within shared memory
+    return PrefillConfig(block_n=32) if dtype == torch.float32 else PrefillConfig()
 
 
 @triton.jit
@@ -167,6 +186,7 @@ def paged_attention_prefill(
     *,
     out: torch.Tensor | None = None,
     seq_ids: list[int] | None = None,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged K/V (cached prefix included).
 
@@ -177,7 +197,9 @@ def paged_attention_prefill(
     seq_ids: sequences to compute; default all with ``query_len >= 1``.
     out:     [num_tokens, num_heads, head_dim] to write rows into; default a new tensor (rows of
              sequences not computed are left uninitialised).
-    Returns ``out``. Alone it is a drop-in for ``paged_attention_ref``.
+    config:  tile and launch parameters; default ``default_prefill_config(dtype)``.
+    Returns ``out``. Alone it is a drop-in for ``paged_attention_ref``. Raises ValueError on
+    inconsistent shapes, dtypes or metadata.
     """
     check_cache(k_cache, v_cache)
     check_query(query, k_cache)
@@ -196,7 +218,8 @@ def paged_attention_prefill(
     check_device(_prefill_kernel, query, k_cache, md.block_tables)
     queries_per_kv = num_heads // num_kv_heads
     group_pad = next_power_of_2(queries_per_kv)
-    block_m = max(BLOCK_M, group_pad)
+    config = config or default_prefill_config(k_cache.dtype)
+    block_m = max(config.block_m, group_pad, 16)
     block_q = block_m // group_pad
     tile_seq, tile_q0 = _tiles(md, tuple(seq_ids), block_q, query.device)
     _prefill_kernel[(tile_seq.shape[0], num_kv_heads)](
@@ -227,10 +250,10 @@ def paged_attention_prefill(
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=config.block_n,
         BLOCK_SIZE=block_size,
         FP32_DOT=dot_in_fp32(k_cache.dtype, is_interpreted(_prefill_kernel)),
-        num_warps=4,
-        num_stages=2,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
