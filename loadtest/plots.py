@@ -57,6 +57,7 @@ def plot_sweep(points: Sequence[dict[str, Any]], slos_ms: dict[str, float], path
                capacity: float | None = None) -> None:
     """TTFT and TPOT percentiles and throughput against the offered request rate."""
     plt = _plt()
+    points = [p for p in points if p["offered_rate"] != float("inf")]
     rates = [p["offered_rate"] for p in points]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for ax, metric in ((axes[0], "ttft"), (axes[1], "tpot")):

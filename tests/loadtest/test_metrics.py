@@ -146,3 +146,25 @@ def test_empty_sample_gives_zero_like_vllm():
     m = compute_metrics([failed()], 1.0)
     assert m["completed"] == 0 and m["mean_ttft_ms"] == 0 and m["p99_itl_ms"] == 0
     assert m["request_goodput"] is None
+
+
+def test_client_lag_is_reported_and_warned_about():
+    from pdserve.loadtest.results import build_result
+    from pdserve.loadtest.runner import RunOutcome
+
+    recs = [play([(0.1, cmpl("a")), (0.2, cmpl("b"))], index=i, send=i * 0.1) for i in range(10)]
+    for i, r in enumerate(recs):
+        r.intended_send = i * 0.1
+        r.dispatch = r.intended_send + (0.050 if i == 9 else 0.001)  # the last one went out 50 ms late
+        r.actual_send = r.dispatch
+    outcome = RunOutcome(records=recs, duration_s=2.0, started_at=0.0, loop_lag_ms=[0.1], client_cpu_s=0.2)
+    kw = dict(percentile_metrics=["ttft"], percentiles=[99.0], goodput_slos_ms=None, lag_warning_ms=10.0)
+    res = build_result(outcome, meta={"request_rate": 5.0}, **kw)
+    assert res["max_send_lag_ms"] == pytest.approx(50.0)
+    assert res["p99_send_lag_ms"] == pytest.approx(1.0 + 0.91 * 49.0)
+    assert res["client_lag_warning"].startswith("client lag: p99 45.6 ms (max 50.0 ms)")
+    assert res["intended_send_times"] == pytest.approx([i * 0.1 for i in range(10)])
+    assert build_result(outcome, meta={"request_rate": "inf"}, **kw)["client_lag_warning"] is None
+    for r in recs:
+        r.dispatch = r.actual_send = r.intended_send
+    assert build_result(outcome, meta={"request_rate": 5.0}, **kw)["client_lag_warning"] is None
