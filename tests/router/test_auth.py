@@ -1,0 +1,61 @@
+"""API keys: with ``api_key`` set, /v1 and the tokenizer routes need ``Authorization: Bearer <key>``."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from conftest import RouterServer, start_router
+from pdserve.services.router.middleware import key_matches
+from pdserve.services.router.settings import RouterSettings
+
+CHAT = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "France?"}]}
+
+
+@pytest.fixture
+def keyed_router(redis_url, registry_url, processor, pods) -> Iterator[RouterServer]:
+    server = start_router(RouterSettings(redis_url=redis_url, registry_url=registry_url, api_key="key-one, key-two",
+                                         registry_cache_s=0.0), processor, pods)
+    yield server
+    server.stop()
+
+
+def assert_401(resp: httpx.Response) -> None:
+    assert resp.status_code == 401
+    assert resp.json() == {"error": {"message": resp.json()["error"]["message"], "type": "AuthenticationError",
+                                     "param": None, "code": 401}}
+    assert resp.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"},
+                                     {"Authorization": "Basic key-one"}, {"Authorization": "Bearer key-one-and-more"}])
+def test_missing_or_bad_key_gets_401_then_a_good_key_works(keyed_router, worker, headers):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        assert_401(httpx.post(keyed_router.url + path, json=CHAT, headers=headers, timeout=30))
+    assert_401(httpx.get(keyed_router.url + "/v1/models", headers=headers, timeout=30))
+    assert worker.received == []
+    ok = httpx.post(keyed_router.url + "/v1/chat/completions", json=CHAT, timeout=30,
+                    headers={"Authorization": "Bearer key-two"})
+    assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
+
+
+def test_openai_client_with_the_key_is_served(keyed_router, worker):
+    client = openai.OpenAI(base_url=keyed_router.url + "/v1", api_key="key-one", max_retries=0)
+    assert "Paris" in client.chat.completions.create(**CHAT).choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed_router.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_probes_need_no_key(keyed_router):
+    assert httpx.get(keyed_router.url + "/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(keyed_router.url + "/metrics", timeout=30).status_code == 200
+
+
+def test_key_comparison():
+    assert key_matches("b", ["a", "b"])
+    assert not key_matches("c", ["a", "b"])
+    assert not key_matches("", ["a"])
+    assert not key_matches("ab", ["a"])
