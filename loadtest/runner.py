@@ -50,6 +50,20 @@ async def _sample_loop_lag(out: list[float], period: float = 0.01) -> None:
         out.append(max(0.0, (time.perf_counter() - t - period) * 1000.0))
 
 
+def _raise_fd_limit() -> None:
+    """Allow as many sockets as the hard limit: an uncapped run opens one connection per request in flight."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 16
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
@@ -75,6 +89,7 @@ async def run_benchmark(
     failed = 0
     lag_samples: list[float] = []
 
+    _raise_fd_limit()
     session = make_session(client, run.max_concurrency)
     t0 = time.perf_counter()
     cpu0 = time.process_time()
@@ -116,12 +131,10 @@ async def run_benchmark(
 
     async def _send(rec: RequestRecord, req: SampleRequest, messages: list[dict] | None) -> None:
         rec.actual_send = time.perf_counter() - t0
-        prompt = None if (messages is not None and client.endpoint == "chat") else req.prompt
-        if messages is not None and client.endpoint != "chat":
-            from pdserve.loadtest.client import render_messages
-
-            prompt = render_messages(messages)
-        body = build_body(client, prompt, messages, req.expected_output_len)
+        if messages is None:
+            body = build_body(client, req.prompt, None, req.expected_output_len)
+        else:
+            body = build_body(client, None, messages, req.expected_output_len)
         await send_streaming(session, client, body, rec)
 
     tasks: list[asyncio.Task] = []
