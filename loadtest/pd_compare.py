@@ -105,6 +105,9 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
     from pdserve.loadtest.runner import RunConfig
 
     try:
+        for flag, value in (("--long-input-len", long_input_len), ("--long-output-len", long_output_len)):
+            if value < 1:
+                raise LoadTestError(f"{flag} must be at least 1, got {value}")
         if long_every < 2:
             raise LoadTestError(f"--long-every must be at least 2, got {long_every}")
         n_long = num_prompts // long_every
