@@ -20,9 +20,11 @@ logger = logging.getLogger(__name__)
 class PlannerLoop:
     """Runs ``planner.run_once`` every ``interval_s`` until stopped; remembers how the last round went."""
 
-    def __init__(self, planner: Planner, interval_s: float) -> None:
+    def __init__(self, planner: Planner, interval_s: float, health_grace_s: float | None = None) -> None:
         self.planner = planner
         self.interval_s = interval_s
+        # How long without a successful round before /health says 503 (default: three intervals + 30 s).
+        self.health_grace_s = health_grace_s if health_grace_s is not None else 3 * interval_s + 30
         self.started_at = time.monotonic()
         self.last_success: float | None = None
         self.last_error: str | None = None
@@ -50,7 +52,7 @@ class PlannerLoop:
         """Healthy while the loop runs and a round succeeded within the last few intervals."""
         if not self._thread.is_alive():
             return False, "planning loop is not running"
-        grace = 3 * self.interval_s + 30
+        grace = self.health_grace_s
         last = self.last_success if self.last_success is not None else self.started_at
         if time.monotonic() - last > grace:
             return False, f"no successful round for {time.monotonic() - last:.0f}s: {self.last_error or 'running'}"

@@ -5,7 +5,8 @@ entry is *waiting* when it comes after the group's last-delivered id, and *in pr
 (delivered, not yet acknowledged). Each entry carries a plain ``prompt_tokens`` field (shared/protocol/
 messages.py: ``PrefillRequest.encode``), so the tokens are summed without unpacking payloads. Redis 7
 reports the group's ``lag`` in XINFO GROUPS; Redis 6.2 does not, so the waiting entries are counted by
-reading them (at most ``max_entries``; beyond that the count is extrapolated from XLEN and the mean).
+reading them (at most ``max_entries``; beyond that their count is XLEN less the pending entries, and their
+tokens are extrapolated from the mean of those read).
 """
 
 from __future__ import annotations
@@ -72,12 +73,19 @@ def read_backlog(client: Any, stream: str = PREFILL_STREAM, group: str = PREFILL
     last_id = _s(info["last-delivered-id"])
     waiting_list = client.xrange(stream, f"({last_id}", "+", count=max_entries)
     waiting_tokens = sum(_tokens(f) for _, f in waiting_list)
+    pending = int(info["pending"])
     lag = info.get("lag")
-    waiting = int(lag) if lag is not None else len(waiting_list)
+    if lag is not None:
+        waiting = int(lag)
+    elif len(waiting_list) < max_entries:
+        waiting = len(waiting_list)
+    else:
+        # Redis < 7 and more waiting than read: the workers delete what they acknowledge, so what is in the
+        # stream and not pending is waiting.
+        waiting = max(len(waiting_list), length - pending)
     if waiting > len(waiting_list) and waiting_list:
         waiting_tokens = round(waiting_tokens * waiting / len(waiting_list))
 
-    pending = int(info["pending"])
     pending_tokens = 0
     if pending:
         ids = [e["message_id"] for e in client.xpending_range(stream, group, "-", "+", min(pending, max_entries))]

@@ -175,7 +175,7 @@ class FakeKubeServer:
     def __init__(self, state: FakeKube) -> None:
         self.state = state
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
     @property
     def url(self) -> str:
