@@ -10,6 +10,7 @@ not. Each configuration is started as ``pdserve up --port P --model M (--prefill
 from __future__ import annotations
 
 import math
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -51,6 +52,16 @@ def up_unavailable_reason() -> str | None:
     return None
 
 
+def parse_launches(values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        mode, sep, cmd = v.partition("=")
+        if not sep or mode not in MODES or not cmd.strip():
+            raise LoadTestError(f"--launch: expected MODE=COMMAND with MODE in {', '.join(MODES)}, got {v!r}")
+        out[mode] = cmd
+    return out
+
+
 def interleave(short: list, long: list, every: int) -> list:
     """Every ``every``-th request is long, starting with a short one; leftovers go at the end."""
     out, s, l = [], iter(short), iter(long)
@@ -67,7 +78,7 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
             ("short p99 ITL", "short", "p99_itl_ms"), ("short p50 TTFT", "short", "median_ttft_ms"),
             ("short p99 TTFT", "short", "p99_ttft_ms"), ("long p99 TTFT", "long", "p99_ttft_ms")]
     head = f"{'mode':<14}" + "".join(f"{c[0]:>16}" for c in cols) + f"{'out tok/s':>11}{'failed':>8}"
-    lines = [head + "   (ms)", "-" * len(head)]
+    lines = ["latencies in ms", head, "-" * len(head)]
     for mode, r in rows.items():
         cells = "".join(f"{r['by_label'].get(lbl, {}).get(key, math.nan):>16.1f}" for _, lbl, key in cols)
         lines.append(f"{mode:<14}{cells}{r['output_throughput']:>11.1f}{r['failed']:>8}")
@@ -90,12 +101,15 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 @click.option("--mode", "modes", type=click.Choice(sorted(MODES)), multiple=True,
               help="Run only these (default both).")
 @click.option("--up-arg", "up_args", multiple=True, help="Extra argument for `pdserve up` (repeatable).")
+@click.option("--launch", "launches", multiple=True, metavar="MODE=COMMAND",
+              help="Start MODE with COMMAND instead of `pdserve up` ({port} and {model} are filled in), "
+                   "e.g. to compare other servers' configurations.")
 @click.option("--up-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for /health.")
 @click.option("--save-result", type=click.Path(dir_okay=False), default=None)
 @click.option("--disable-tqdm", is_flag=True)
 def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, short_output_len, long_input_len,
                             long_output_len, request_rate, burstiness, max_concurrency, seed, endpoint, modes,
-                            up_args, up_timeout, save_result, disable_tqdm) -> None:
+                            up_args, launches, up_timeout, save_result, disable_tqdm) -> None:
     """Same workload against `pdserve up` disaggregated (1 prefill + 1 decode) and colocated; one table."""
     from pdserve.loadtest.benchmark import BenchOptions, prepare, run_prepared, run_sync, validate
     from pdserve.loadtest.client import ClientConfig
@@ -123,18 +137,23 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
         validate(base)
         if n_long < 1:
             raise LoadTestError("--num-prompts is too small for one long request at this --long-every")
-        reason = up_unavailable_reason()
+        custom = parse_launches(launches)
+        run_modes = modes or tuple(MODES)
+        reason = None if all(m in custom for m in run_modes) else up_unavailable_reason()
         if reason:
             raise LoadTestError(reason)
 
         rows: dict[str, dict[str, Any]] = {}
         requests = None
-        for mode in modes or tuple(MODES):
+        for mode in run_modes:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model,
-                   *MODES[mode], *up_args]
-            click.echo(f"[{mode}] starting: {' '.join(cmd[2:])}", err=True)
+            if mode in custom:
+                cmd = [a.format(port=port, model=model) for a in shlex.split(custom[mode])]
+            else:
+                cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model,
+                       *MODES[mode], *up_args]
+            click.echo(f"[{mode}] starting: {shlex.join(cmd)}", err=True)
             with running(cmd, url + "/health", timeout_s=up_timeout):
                 opts = replace(base, client=replace(base.client, base_url=url), label=mode)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -100,3 +101,35 @@ def test_pd_vs_colocated_against_the_embedded_ensemble(tmp_path):
         assert set(res["by_label"]) == {"short", "long"}
         assert res["by_label"]["short"]["total_output_tokens"] <= 6 * 8
         assert res["p99_ttft_ms"] > 0
+
+
+def test_pd_vs_colocated_runs_both_modes_and_prints_one_table(tmp_path):
+    # `pdserve up` stands in as two mock servers with different speeds (the ensemble has its own test
+    # below); everything else is the real command: start on free ports, wait for /health, run, SIGTERM.
+    mock = ("{python} -m pdserve.loadtest.cli mock-server --port {{port}} --model {{model}} "
+            f"--tokenizer {TOKENIZER} ").format(python=sys.executable)
+    out = tmp_path / "pd.json"
+    r = run("pd-vs-colocated", "--model", TOKENIZER, "--num-prompts", "8", "--long-every", "4",
+            "--short-input-len", "16", "--short-output-len", "6", "--long-input-len", "64", "--long-output-len", "2",
+            "--request-rate", "inf", "--disable-tqdm", "--save-result", str(out),
+            "--launch", "disaggregated=" + mock + "--ttft-ms 10 --token-rate 500",
+            "--launch", "colocated=" + mock + "--ttft-ms 40 --token-rate 50")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("mode"))
+    assert "short p99 TPOT" in lines[header] and "long p99 TTFT" in lines[header]
+    assert [ln.split()[0] for ln in lines[header + 2:header + 4]] == ["disaggregated", "colocated"]
+    modes = json.loads(out.read_text())["modes"]
+    for res in modes.values():
+        assert res["completed"] == 8 and res["failed"] == 0
+        assert res["by_label"]["short"]["completed"] == 6 and res["by_label"]["long"]["completed"] == 2
+        assert res["by_label"]["long"]["total_input_tokens"] == 2 * 64
+    # the colocated stand-in decodes at 50 tok/s: every short request takes >= 40 + 5 * 20 ms end to end
+    assert min(modes["colocated"]["ttfts"]) >= 0.040
+    assert modes["colocated"]["by_label"]["short"]["mean_e2el_ms"] >= 140.0
+
+
+def test_launch_must_name_a_mode():
+    r = run("pd-vs-colocated", "--launch", "fast=python x")
+    assert r.exit_code == 1 and r.output.splitlines() == [
+        "Error: --launch: expected MODE=COMMAND with MODE in disaggregated, colocated, got 'fast=python x'"]
