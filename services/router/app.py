@@ -99,6 +99,23 @@ class _ChoiceTiming:
                 metrics.tpot.observe((now - self.first) / (event.completion_tokens - 1))
 
 
+class _ClosingEventSource(EventSourceResponse):
+    """An SSE response that runs ``on_close`` when it ends however it ends: a client that leaves before the
+    first chunk cancels the response before the generator ever runs, so the generator's ``finally`` alone
+    would miss the abort."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
+
+
 def create_app(settings: RouterSettings | None = None, processor: PromptProcessor | None = None,
                directory: PodDirectory | None = None) -> FastAPI:
     """Build the router app. ``processor`` and ``directory`` default to the model's tokenizer and a
@@ -377,7 +394,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                 if not complete:
                     await finish(st, job, aborted=True)
 
-        return EventSourceResponse(chunks(), sep="\n", ping=15)
+        return _ClosingEventSource(chunks(), lambda: finish(st, job, aborted=True), sep="\n", ping=15)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:

@@ -146,3 +146,32 @@ def test_models_lists_the_served_model_with_its_context_length(client):
     (model,) = client.models.list().data
     assert model.id == "smollm2-135m-instruct"
     assert model.model_extra["max_model_len"] == 8192
+
+
+def test_worker_error_mid_stream_is_an_sse_error_event_then_done(router, worker):
+    body = {"model": "smollm2-135m-instruct", "prompt": "TRIGGER_WORKER_ERROR", "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:]) == {"error": {"message": "the stand-in worker failed",
+                                                   "type": "InternalServerError", "param": None, "code": 500}}
+
+
+def test_request_without_output_times_out_with_504_and_is_aborted(redis_url, registry_url, processor, pods,
+                                                                  redis_client):
+    """No worker at all: the router gives up after request_timeout_s and aborts the queued request."""
+    from conftest import start_router
+    from pdserve.services.router.settings import RouterSettings
+
+    server = start_router(RouterSettings(redis_url=redis_url, registry_url=registry_url, request_timeout_s=1.0),
+                          processor, pods)
+    try:
+        resp = httpx.post(server.url + "/v1/completions", timeout=30,
+                          json={"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2})
+        assert resp.status_code == 504
+        assert resp.json()["error"]["type"] == "TimeoutError" and resp.json()["error"]["param"] is None
+        (entry,) = redis_client.xrange(keys.PREFILL_STREAM)
+        rid = entry[1][b"request_id"].decode()
+        assert redis_client.exists(keys.aborted_key(rid))
+    finally:
+        server.stop()

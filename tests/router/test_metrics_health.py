@@ -1,0 +1,50 @@
+"""/health and /metrics of the router (Prometheus text, vLLM's metric names with the pdserve: prefix)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.shared.protocol import keys
+
+
+def samples(router) -> dict[tuple[str, str], float]:
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def test_health_is_ok_with_redis(router):
+    resp = httpx.get(router.url + "/health", timeout=10)
+    assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+
+
+def test_metrics_count_a_finished_request(router, worker, redis_client):
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    resp = client.chat.completions.create(model="smollm2-135m-instruct",
+                                          messages=[{"role": "user", "content": "France?"}])
+    m = samples(router)
+    assert m[("pdserve:time_to_first_token_seconds_count", "")] == 1
+    assert m[("pdserve:e2e_request_latency_seconds_count", "")] == 1
+    # one gap per token after the first
+    assert m[("pdserve:inter_token_latency_seconds_count", "")] == resp.usage.completion_tokens - 1
+    assert m[("pdserve:prompt_tokens_total", "")] == resp.usage.prompt_tokens
+    assert m[("pdserve:generation_tokens_total", "")] == resp.usage.completion_tokens
+    assert m[("pdserve:request_success_total", "finished_reason=stop")] == 1
+    assert m[("pdserve:num_requests_running", "")] == 0
+    assert m[("pdserve:prefill_queue_depth", "")] == 0  # the stand-in worker deleted its entry
+
+
+def test_queue_depth_is_the_prefill_stream_length(router, redis_client):
+    for _ in range(3):
+        redis_client.xadd(keys.PREFILL_STREAM, {"x": "1"})
+    assert samples(router)[("pdserve:prefill_queue_depth", "")] == 3
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    assert re.search(r'^pdserve:prefill_queue_depth\{model_name="smollm2-135m-instruct"\} 3\.0$', text, re.M)
