@@ -106,3 +106,13 @@ def test_values_schema_file_is_current():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert (CHART / "values.schema.json").read_text() == gen.render(), "run: python helm/tools/gen_values_schema.py"
+
+
+@pytest.mark.parametrize("case", list(VALUES_FILES))
+def test_notes_tell_how_to_reach_the_router_and_how_it_scales(chart, case):
+    values = load_values(case)
+    notes = chart.render(values, name="demo", namespace="llm", is_install=True)["pdserve/templates/NOTES.txt"]
+    mode = chart.merge_values(values)["autoscaling"]["mode"]
+    assert f"3. Autoscaling: {mode}" in notes
+    assert "/v1/chat/completions" in notes
+    assert "demo-pdserve-router" in notes or "llm.example.com" in notes or "inference-gateway" in notes

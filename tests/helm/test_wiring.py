@@ -34,6 +34,8 @@ def test_every_service_selects_the_pods_of_its_workload(rendered):
         matching = [w for w in workloads.values() if sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
         assert len(matching) == 1, (case, svc["metadata"]["name"], sel)
         workload = matching[0]
+        # The Service fronts the workload of its own name (<fullname>-<tier>, Redis also via "-headless").
+        assert workload["metadata"]["name"] == svc["metadata"]["name"].removesuffix("-headless"), (case, sel)
         # ...and the workload's own selector agrees with its pod labels.
         assert workload["spec"]["selector"]["matchLabels"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
         # Each Service port targets a named container port that exists.
