@@ -49,6 +49,8 @@ def validate(opts: BenchOptions) -> None:
         raise LoadTestError(f"--request-rate must be a positive number or inf, got {r.request_rate:g}")
     if not (r.burstiness > 0) or math.isinf(r.burstiness):
         raise LoadTestError(f"--burstiness must be a positive number, got {r.burstiness:g}")
+    if r.num_warmups < 0:
+        raise LoadTestError(f"--num-warmups must be at least 0, got {r.num_warmups}")
     if r.max_concurrency is not None and r.max_concurrency < 1:
         raise LoadTestError(f"--max-concurrency must be at least 1, got {r.max_concurrency}")
     if d.num_prompts < 1:
@@ -112,6 +114,7 @@ def result_meta(opts: BenchOptions, info: ServerInfo, rate: float) -> dict[str, 
         "request_rate": rate_value(rate),
         "burstiness": opts.run.burstiness,
         "max_concurrency": opts.run.max_concurrency,
+        "num_warmups": opts.run.num_warmups,
         "seed": d.seed,
         "server_tokenize": info.has_tokenize and opts.use_server_tokenize,
     }

@@ -38,6 +38,7 @@ class MockConfig:
     fail_every: int = 0
     role_chunk: bool = True
     tokenizer: str | None = None
+    api_key: str | None = None
 
 
 def _error(status: int, message: str, param: str | None, kind: str) -> JSONResponse:
@@ -59,6 +60,14 @@ def make_app(cfg: MockConfig) -> FastAPI:
     def count_tokens(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False)) if tok is not None else len(text.split())
 
+    if cfg.api_key:
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.url.path.startswith(("/v1/", "/tokenize")) and \
+                    request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+                return _error(401, "Invalid or missing API key", None, "AuthenticationError")
+            return await call_next(request)
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -73,6 +82,7 @@ def make_app(cfg: MockConfig) -> FastAPI:
     async def config():
         d = asdict(cfg)
         d["token_rate"] = None if math.isinf(cfg.token_rate) else cfg.token_rate
+        d.pop("api_key")
         return d
 
     @app.get("/mock/stats")
@@ -208,14 +218,15 @@ def sys_stdout_flush() -> None:
 @click.option("--role-chunk/--no-role-chunk", default=True, show_default=True,
               help="Open chat streams with an empty role chunk before the first token.")
 @click.option("--tokenizer", default=None, help="Enables /tokenize and exact usage counts (pdserve model name, HF dir).")
+@click.option("--api-key", default=None, help="Require this Bearer token on /v1/* and /tokenize.")
 @click.option("--log-level", default="warning", show_default=True)
 def mock_server_command(host, port, models, ttft_ms, token_rate, tokens_per_chunk, output_len, max_model_len,
-                        fail_every, role_chunk, tokenizer, log_level) -> None:
+                        fail_every, role_chunk, tokenizer, api_key, log_level) -> None:
     """An OpenAI-compatible server with configurable TTFT and token rate, to measure the client itself."""
     if ttft_ms < 0 or not token_rate > 0 or tokens_per_chunk < 1 or output_len < 1 or fail_every < 0:
         raise click.ClickException("--ttft-ms >= 0, --token-rate > 0, --tokens-per-chunk >= 1, "
                                    "--output-len >= 1 and --fail-every >= 0 are required")
     cfg = MockConfig(models=list(models), ttft_ms=ttft_ms, token_rate=token_rate, tokens_per_chunk=tokens_per_chunk,
                      output_len=output_len, max_model_len=max_model_len, fail_every=fail_every,
-                     role_chunk=role_chunk, tokenizer=tokenizer)
+                     role_chunk=role_chunk, tokenizer=tokenizer, api_key=api_key)
     serve_mock(cfg, host, port, log_level)

@@ -80,6 +80,8 @@ def common_options(f: Callable) -> Callable:
                      help="Gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 steadier."),
         click.option("--max-concurrency", type=int, default=None, help="Cap on requests in flight."),
         click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--num-warmups", type=int, default=0, show_default=True,
+                     help="Requests sent and discarded before the measured run."),
         click.option("--random-input-len", type=int, default=1024, show_default=True),
         click.option("--random-output-len", type=int, default=128, show_default=True),
         click.option("--random-range-ratio", type=float, default=0.0, show_default=True,
@@ -133,7 +135,7 @@ def to_options(kw: dict, request_rate: float) -> BenchOptions:
         extra_body=extra,
     )
     run = RunConfig(request_rate=request_rate, burstiness=kw["burstiness"], max_concurrency=kw["max_concurrency"],
-                    seed=kw["seed"], show_progress=not kw["disable_tqdm"])
+                    seed=kw["seed"], show_progress=not kw["disable_tqdm"], num_warmups=kw["num_warmups"])
     dataset = DatasetSpec(
         name=kw["dataset_name"], num_prompts=kw["num_prompts"], seed=kw["seed"],
         input_len=kw["random_input_len"], output_len=kw["random_output_len"], range_ratio=kw["random_range_ratio"],

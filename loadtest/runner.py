@@ -30,6 +30,7 @@ class RunConfig:
     max_concurrency: int | None = None
     seed: int = 0
     show_progress: bool = True
+    num_warmups: int = 0
 
 
 @dataclass(slots=True)
@@ -64,6 +65,18 @@ def _raise_fd_limit() -> None:
         pass
 
 
+async def _warm_up(session, client: ClientConfig, requests: Sequence[SampleRequest], n: int) -> None:
+    """Send the first ``n`` prompts (at most 8 at once) and discard them: connections and server caches warm."""
+    sem = asyncio.Semaphore(8)
+
+    async def one(req: SampleRequest) -> None:
+        async with sem:
+            body = build_body(client, req.prompt, None, req.expected_output_len)
+            await send_streaming(session, client, body, RequestRecord(index=-1))
+
+    await asyncio.gather(*(one(requests[i % len(requests)]) for i in range(n)))
+
+
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
@@ -91,6 +104,8 @@ async def run_benchmark(
 
     _raise_fd_limit()
     session = make_session(client, run.max_concurrency)
+    if run.num_warmups:
+        await _warm_up(session, client, requests, run.num_warmups)
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     lag_task = asyncio.create_task(_sample_loop_lag(lag_samples))

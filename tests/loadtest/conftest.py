@@ -17,7 +17,7 @@ class Mock:
         self.url = url
 
     def stats(self) -> dict:
-        with urllib.request.urlopen(self.url + "/mock/stats", timeout=10) as r:
+        with urllib.request.urlopen(self.url + "/mock/stats", timeout=10) as r:  # not behind the API key
             return json.load(r)
 
     def generation_requests(self) -> int:
@@ -39,5 +39,6 @@ def mock():
 
 @pytest.fixture(scope="module")
 def flaky_mock():
-    """Every third request fails with HTTP 500; chunks carry three tokens; no /tokenize."""
-    yield from _start("--ttft-ms", "5", "--token-rate", "1000", "--tokens-per-chunk", "3", "--fail-every", "3")
+    """Every third request fails with HTTP 500; chunks carry three tokens; no /tokenize; API key "sesame"."""
+    yield from _start("--ttft-ms", "5", "--token-rate", "1000", "--tokens-per-chunk", "3", "--fail-every", "3",
+                      "--api-key", "sesame")

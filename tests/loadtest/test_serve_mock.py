@@ -65,8 +65,8 @@ def test_serve_writes_every_key_with_values_the_mock_implies(mock, tmp_path):
 
 def test_failed_requests_are_counted_by_status_and_multi_token_chunks_recorded(flaky_mock, tmp_path):
     out = tmp_path / "flaky.json"
-    r = serve("--base-url", flaky_mock.url, "--tokenizer", TOKENIZER, "--num-prompts", "9",
-              "--random-input-len", "8", "--random-output-len", "8", "--save-result", str(out))
+    r = serve("--base-url", flaky_mock.url, "--api-key", "sesame", "--tokenizer", TOKENIZER, "--num-prompts", "9",
+              "--random-input-len", "8", "--random-output-len", "8", "--num-warmups", "0", "--save-result", str(out))
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     assert res["model_id"] == "mock-model"  # the first model the server lists
@@ -153,3 +153,24 @@ def test_bad_input_is_one_line_error_and_sends_no_request(mock, tmp_path):
         assert r.exit_code == 1, (args, r.output)
         assert r.output.splitlines() == [expected], args
     assert mock.generation_requests() == before
+
+
+def test_missing_api_key_is_a_one_line_error(flaky_mock):
+    before = flaky_mock.generation_requests()
+    for args in ([], ["--api-key", "wrong"]):
+        r = serve("--base-url", flaky_mock.url, "--tokenizer", TOKENIZER, "--num-prompts", "2", *args)
+        assert r.exit_code == 1
+        assert r.output.splitlines() == [
+            f"Error: {flaky_mock.url} refused the API key (HTTP 401): pass --api-key or set OPENAI_API_KEY"]
+    assert flaky_mock.generation_requests() == before
+
+
+def test_warmup_requests_are_sent_but_not_measured(mock, tmp_path):
+    out = tmp_path / "warm.json"
+    before = mock.generation_requests()
+    r = serve("--base-url", mock.url, "--tokenizer", TOKENIZER, "--num-prompts", "3", "--num-warmups", "2",
+              "--random-input-len", "8", "--random-output-len", "2", "--save-result", str(out))
+    assert r.exit_code == 0, r.output
+    assert mock.generation_requests() - before == 5
+    res = json.loads(out.read_text())
+    assert res["completed"] == 3 and len(res["ttfts"]) == 3 and res["num_warmups"] == 2
