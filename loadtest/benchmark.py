@@ -97,7 +97,24 @@ async def prepare(opts: BenchOptions) -> tuple[ServerInfo, list[SampleRequest]]:
             requests = await build_dataset(opts.dataset, maker)
         except aiohttp.ClientError as exc:
             raise LoadTestError(f"building the dataset with {info.base_url}/tokenize failed: {exc}") from None
+    check_fits(requests, info)
     return info, requests
+
+
+def check_fits(requests: list[SampleRequest], info: ServerInfo) -> None:
+    """Refuse a dataset whose prompts plus output budgets exceed the server's ``max_model_len``.
+
+    Multi-turn requests are skipped: their context grows with the answers, known only at run time.
+    """
+    if not info.max_model_len:
+        return
+    too_long = [r for r in requests if r.session_id is None
+                and r.prompt_len + r.expected_output_len > info.max_model_len]
+    if too_long:
+        r = max(too_long, key=lambda r: r.prompt_len + r.expected_output_len)
+        raise LoadTestError(
+            f"{len(too_long)} of {len(requests)} requests exceed the server's max_model_len {info.max_model_len} "
+            f"(longest: {r.prompt_len} prompt + {r.expected_output_len} output tokens); use shorter lengths")
 
 
 def result_meta(opts: BenchOptions, info: ServerInfo, rate: float) -> dict[str, Any]:

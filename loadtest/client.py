@@ -118,4 +118,6 @@ async def send_streaming(
         return tl.fail("connection_error", f"{type(exc).__name__}: {exc}")
     except aiohttp.ClientError as exc:
         return tl.fail("client_error", f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # e.g. a line over the read buffer: one request fails, the run goes on
+        return tl.fail("client_error", f"{type(exc).__name__}: {exc}")
     return tl.finish()

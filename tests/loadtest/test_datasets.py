@@ -76,3 +76,12 @@ def test_sharegpt_pairs_and_filters(tmp_path, maker):
         build(DatasetSpec(name="sharegpt", num_prompts=2, path=str(path)), maker)
     with pytest.raises(LoadTestError, match="dataset file not found"):
         load_pairs(str(tmp_path / "missing.json"))
+
+
+def test_random_prefix_is_shared_by_every_prompt(maker):
+    reqs = build(DatasetSpec(name="random", num_prompts=4, input_len=10, prefix_len=20), maker)
+    assert [r.prompt_len for r in reqs] == [30] * 4
+    prefix = build(DatasetSpec(name="random", num_prompts=1, input_len=20), maker)  # independent draw
+    heads = {r.prompt[:30] for r in reqs}
+    assert len(heads) == 1 and len({r.prompt for r in reqs}) == 4
+    assert prefix[0].prompt[:30] not in heads

@@ -141,6 +141,9 @@ def _bad_cases(tmp_path, url):
         (["--base-url", url, "--goodput", "ttft:5", "foo:3"],
          "Error: --goodput: expected KEY:MS with KEY in ttft, tpot, e2el, got 'foo:3'"),
         (["--base-url", "localhost:8000"], "Error: --base-url must start with http:// or https://, got 'localhost:8000'"),
+        (["--base-url", url, "--random-input-len", "4000", "--random-output-len", "200"],
+         "Error: 2 of 2 requests exceed the server's max_model_len 4096 (longest: 4000 prompt + 200 output tokens); "
+         "use shorter lengths"),
         (["--base-url", url, "--save-detailed"],
          "Error: --save-detailed needs --save-result PATH (the per-request files go beside it)"),
     ]
