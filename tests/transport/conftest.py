@@ -9,8 +9,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/support
 
 from pdserve.shared.transport import KVLayout  # noqa: E402
 
-SECRET = "test-secret-0123456789"
-
 
 @pytest.fixture
 def layout() -> KVLayout:

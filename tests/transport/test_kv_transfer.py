@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from conftest import SECRET
 from support.kv_pool import PoolReceiver
 
 from pdserve.shared.transport import (
@@ -18,6 +17,8 @@ from pdserve.shared.transport import (
 from pdserve.shared.transport.frames import Auth, Blocks, Error, Hello, encode_frame, read_frame, write_frame
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+SECRET = "test-secret-0123456789"
 
 
 def random_blocks(layout: KVLayout, n: int, seed: int = 0) -> torch.Tensor:
