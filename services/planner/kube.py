@@ -1,6 +1,7 @@
 """The planner's view of Kubernetes: a Deployment's scale subresource and its pods (``kubernetes`` client).
 
 What it calls, and what the chart's Role grants (templates/planner.yaml):
+  GET   /apis/apps/v1/namespaces/{ns}/deployments/{name}           spec.selector (the router's pods)
   GET   /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale   spec.replicas, status.selector
   PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale   {"spec": {"replicas": n}} as merge-patch
   GET   /api/v1/namespaces/{ns}/pods?labelSelector=...           phases, readiness, pod IPs
@@ -85,6 +86,11 @@ class KubeScaler:
             status_replicas=int((s.status.replicas if s.status else None) or 0),
             selector=selector,
         )
+
+    def deployment_selector(self, deployment: str) -> str:
+        """The label selector of ``deployment``'s pods, from the Deployment itself (needs only ``get``
+        on deployments, not on their scale)."""
+        return self._selector_from_deployment(deployment)
 
     def _selector_from_deployment(self, deployment: str) -> str:
         d = self._call(f"get deployments/{deployment}", self._apps.read_namespaced_deployment, deployment, self.namespace)

@@ -87,10 +87,16 @@ class Planner:
     def _deployment(self, tier: str) -> str:
         return getattr(self.settings, f"{tier}_deployment")
 
-    def _view(self, deployment: str, port: int) -> TierView:
-        scale = self.scaler.get_scale(deployment)
-        pods = self.scaler.list_pods(scale.selector)
-        view = TierView(scale.spec_replicas, pods)
+    def _view(self, deployment: str, port: int, scaled: bool = True) -> TierView:
+        """Pods and metrics of ``deployment``; ``scaled`` also reads its scale (the planner's Role allows that
+        only for the tiers it sizes)."""
+        if scaled:
+            scale = self.scaler.get_scale(deployment)
+            replicas, selector = scale.spec_replicas, scale.selector
+        else:
+            replicas, selector = 0, self.scaler.deployment_selector(deployment)
+        pods = self.scaler.list_pods(selector)
+        view = TierView(replicas, pods)
         for pod in pods:
             if pod.phase != "Running" or not pod.ip or pod.deleting:
                 continue
@@ -132,7 +138,7 @@ class Planner:
         router = TierView(0, [])
         if s.router_deployment:
             try:
-                router = self._view(s.router_deployment, s.router_metrics_port)
+                router = self._view(s.router_deployment, s.router_metrics_port, scaled=False)
             except KubeError as exc:
                 self.metrics.errors.labels("kubernetes").inc()
                 logger.info("cannot read router %s: %s", s.router_deployment, exc)

@@ -23,7 +23,10 @@ def kube() -> Iterator[tuple[FakeKube, k8s.ApiClient]]:
     state = FakeKube(namespace="llm", deployments={
         "demo-pdserve-prefill": FakeDeployment(2, {"app.kubernetes.io/component": "prefill", "app.kubernetes.io/instance": "demo"}),
         "demo-pdserve-decode": FakeDeployment(2, {"app.kubernetes.io/component": "decode", "app.kubernetes.io/instance": "demo"}),
+        "demo-pdserve-router": FakeDeployment(2, {"app.kubernetes.io/component": "router", "app.kubernetes.io/instance": "demo"}),
     })
+    # As the chart's Role: scale only for the tiers the planner sizes (tests/helm checks the Role says so).
+    state.scale_allowed = {"demo-pdserve-prefill", "demo-pdserve-decode"}
     with FakeKubeServer(state) as server:
         cfg = k8s.Configuration(host=server.url)
         with k8s.ApiClient(cfg) as api:

@@ -10,7 +10,8 @@ with the API server's shapes and rules as documented in the Kubernetes API refer
                                                                  (415 otherwise), 422 on negative replicas
   GET   /api/v1/namespaces/{ns}/pods?labelSelector=k=v,k2=v2    (v1 PodList, equality selectors)
 
-Unknown objects get 404 with a v1 Status body. Every request is recorded for the tests to inspect.
+Unknown objects get 404 with a v1 Status body; a scale subresource outside ``scale_allowed`` gets 403, as the
+chart's Role (resourceNames: the prefill and decode Deployments) would. Every request is recorded.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class FakeKube:
     pods: list[FakePod] = field(default_factory=list)
     requests: list[Recorded] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Deployments whose scale subresource the caller may get/patch (RBAC resourceNames); None = all.
+    scale_allowed: set[str] | None = None
+
+    def forbidden(self, kind: str, name: str | None) -> bool:
+        return kind == "scale" and self.scale_allowed is not None and name not in self.scale_allowed
 
     def scale_json(self, name: str) -> dict[str, Any]:
         d = self.deployments[name]
@@ -132,6 +138,8 @@ def make_handler(state: FakeKube) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             self._record()
             kind, name, query = self._route()
+            if state.forbidden(kind, name):
+                return self._send(403, _status(403, "Forbidden", f"cannot get deployments/scale {name}"))
             with state.lock:
                 if kind == "pods":
                     return self._send(200, state.pod_list_json(query.get("labelSelector", [""])[0]))
@@ -148,6 +156,8 @@ def make_handler(state: FakeKube) -> type[BaseHTTPRequestHandler]:
                 body = None
             self._record(body)
             kind, name, _ = self._route()
+            if state.forbidden(kind, name):
+                return self._send(403, _status(403, "Forbidden", f"cannot patch deployments/scale {name}"))
             if kind != "scale" or name not in state.deployments:
                 return self._send(404, _status(404, "NotFound", f"{self.path} not found"))
             if ctype not in PATCH_TYPES:

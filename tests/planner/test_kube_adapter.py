@@ -41,12 +41,20 @@ def test_set_replicas_sends_a_merge_patch_of_spec_replicas_only(kube):
 
 
 def test_unknown_deployment_is_a_clear_error_with_the_status(kube):
-    _, api = kube
+    state, api = kube
+    state.scale_allowed = None
     with pytest.raises(KubeError, match="HTTP 404") as err:
         KubeScaler("llm", api).get_scale("nope")
     assert err.value.status == 404
     with pytest.raises(KubeError, match="HTTP 404"):
         KubeScaler("llm", api).set_replicas("nope", 1)
+
+
+def test_a_forbidden_scale_is_a_403_kube_error(kube):
+    _, api = kube
+    with pytest.raises(KubeError, match="HTTP 403") as err:
+        KubeScaler("llm", api).set_replicas("demo-pdserve-router", 3)
+    assert err.value.status == 403
 
 
 def test_the_stand_in_refuses_a_patch_that_is_not_a_merge_patch(kube):

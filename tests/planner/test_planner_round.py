@@ -16,6 +16,7 @@ from pdserve.shared.protocol.messages import PrefillRequest
 PREFILL, DECODE = "demo-pdserve-prefill", "demo-pdserve-decode"
 PREFILL_LABELS = {"app.kubernetes.io/component": "prefill", "app.kubernetes.io/instance": "demo"}
 DECODE_LABELS = {"app.kubernetes.io/component": "decode", "app.kubernetes.io/instance": "demo"}
+ROUTER_LABELS = {"app.kubernetes.io/component": "router", "app.kubernetes.io/instance": "demo"}
 
 
 def decode_metrics(kv_usage: float, tpot_sum: float = 0.0, tpot_count: int = 0) -> str:
@@ -55,6 +56,7 @@ def make_planner(kube, redis_client, servers, **overrides):
     values = dict(
         namespace="llm", prefill_deployment=PREFILL, decode_deployment=DECODE, router_deployment="",
         prefill_metrics_port=servers["prefill"].port, decode_metrics_port=servers["decode"].port,
+        router_metrics_port=servers["router"].port,
         ttft_slo_seconds=2.0, prefill_throughput_prior=1000, target_kv_cache_usage=0.75, tpot_slo_seconds=0.1,
         prefill_max_replicas=8, decode_max_replicas=8, scale_up_cooldown_seconds=0)
     settings = PlannerSettings(**(values | overrides))
@@ -178,3 +180,37 @@ def test_an_unreachable_pod_or_bad_metrics_does_not_stop_the_round(kube, redis_s
     d = {d.tier: d for d in planner.run_once()}["decode"]
     assert d.action == HOLD and d.reason == "no decode metrics"
     assert 'pdserve:planner_errors_total{stage="scrape"} 2.0' in planner.metrics.render().decode()
+
+
+def router_metrics(ttft_sum: float, ttft_count: int, tpot_sum: float, tpot_count: int) -> str:
+    out = []
+    for name, total, count in (("time_to_first_token_seconds", ttft_sum, ttft_count),
+                               ("time_per_output_token_seconds", tpot_sum, tpot_count)):
+        out += [f"# HELP pdserve:{name} x", f"# TYPE pdserve:{name} histogram",
+                f'pdserve:{name}_bucket{{le="+Inf"}} {count}', f"pdserve:{name}_sum {total}",
+                f"pdserve:{name}_count {count}"]
+    return "\n".join(out) + "\n"
+
+
+def test_ttft_and_tpot_come_from_the_router_pods_within_the_planners_rbac(kube, redis_server, metrics_servers):
+    """The router is only read (Deployment + pods), never its scale: the Role does not grant that."""
+    state, _ = kube
+    state.pods = [FakePod("p-0", PREFILL_LABELS), FakePod("d-0", DECODE_LABELS), FakePod("r-0", ROUTER_LABELS)]
+    r = redis.Redis.from_url(redis_server.url)
+    r.xgroup_create(PREFILL_STREAM, PREFILL_GROUP, id="0", mkstream=True)
+    enqueue(r, 1, 100)
+    metrics_servers["prefill"].text = prefill_metrics(0)
+    metrics_servers["decode"].text = decode_metrics(0.5)
+    metrics_servers["router"].text = router_metrics(0, 0, 0, 0)
+    planner, clock = make_planner(kube, r, metrics_servers, router_deployment="demo-pdserve-router", prefill_min_replicas=2,
+                                  decode_scale_down_stabilization_seconds=0, scale_down_cooldown_seconds=0)
+    planner.run_once()
+    # Over the next 15 s: 10 requests, TTFT 3 s each (SLO 2 s) with a backlog; TPOT 0.2 s (SLO 0.1 s).
+    clock.t += 15
+    metrics_servers["router"].text = router_metrics(30.0, 10, 2.0, 10)
+    decisions = {d.tier: d for d in planner.run_once()}
+    assert "TTFT 3s over SLO" in decisions["prefill"].reason and decisions["prefill"].recommended == 3
+    # TPOT 2x over its SLO outweighs KV usage 0.5 / 0.75: ceil(2 * 2.0) = 4.
+    assert decisions["decode"].recommended == 4 and "TPOT" in decisions["decode"].reason
+    assert 'pdserve:planner_errors_total{stage="kubernetes"}' not in planner.metrics.render().decode()
+    assert not [q for q in state.requests if "demo-pdserve-router/scale" in q.path]

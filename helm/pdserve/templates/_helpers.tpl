@@ -221,7 +221,9 @@ spec:
               value: $(POD_IP)
             - name: PDSERVE_PORT
               value: {{ $cfg.port | quote }}
-            {{- include "pdserve.redisEnv" $root | nindent 12 }}
+            {{- with (include "pdserve.redisEnv" $root | trim) }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- with .env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
