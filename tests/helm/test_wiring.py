@@ -275,6 +275,8 @@ def test_planner_gets_exactly_the_rbac_it_needs(chart):
     assert grants == {("", "pods", v) for v in ("get", "list", "watch")} | {
         ("apps", "deployments", v) for v in ("get", "list", "watch")} | {
         ("apps", "deployments/scale", v) for v in ("get", "patch")}
+    (scale_rule,) = [rule for rule in role["rules"] if "deployments/scale" in rule["resources"]]
+    assert sorted(scale_rule["resourceNames"]) == [f"{FULL}-decode", f"{FULL}-prefill"], "it scales nothing else"
     binding = by_kind(docs, "RoleBinding")[f"{FULL}-planner"]
     planner = by_kind(docs, "Deployment")[f"{FULL}-planner"]["spec"]
     sa = planner["template"]["spec"]["serviceAccountName"]
