@@ -66,8 +66,6 @@ def validate(opts: BenchOptions) -> None:
         raise LoadTestError("--shared-prefix-len, --shared-prefix-suffix-len and --shared-prefix-groups must be at least 1")
     if d.name == "multi-turn" and d.turns < 1:
         raise LoadTestError(f"--multi-turn-turns must be at least 1, got {d.turns}")
-    if d.name == "multi-turn" and opts.client.endpoint != "chat":
-        pass  # allowed: the conversation is rendered as a transcript for /v1/completions
     bad = [m for m in opts.percentile_metrics if m not in METRICS]
     if bad:
         raise LoadTestError(f"--percentile-metrics: unknown metric {bad[0]!r} (choose from {', '.join(METRICS)})")
@@ -87,7 +85,7 @@ async def prepare(opts: BenchOptions) -> tuple[ServerInfo, list[SampleRequest]]:
     validate(opts)
     info = await check_server(opts.client.base_url, opts.client.model or None, opts.client.api_key)
     opts.client.model = info.model
-    tokenizer = load_tokenizer(opts.tokenizer or info.model)
+    tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer else load_tokenizer(info.model, info.root or "")
     async with aiohttp.ClientSession(headers=opts.client.headers(),
                                      timeout=aiohttp.ClientTimeout(total=60)) as session:
         count = (server_counter(session, info.base_url, info.model)

@@ -75,7 +75,8 @@ def make_app(cfg: MockConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [
-            {"id": m, "object": "model", "created": 0, "owned_by": "pdserve-mock", "max_model_len": cfg.max_model_len}
+            {"id": m, "object": "model", "created": 0, "owned_by": "pdserve-mock", "root": cfg.tokenizer or m,
+             "max_model_len": cfg.max_model_len}
             for m in cfg.models]}
 
     @app.get("/mock/config")

@@ -20,6 +20,7 @@ class ServerInfo:
     has_tokenize: bool
     max_model_len: int | None = None
     mock_config: dict[str, Any] | None = None
+    root: str | None = None  # vLLM's /v1/models "root": the checkpoint the model was loaded from
 
 
 def _reason(exc: BaseException, timeout_s: float) -> str:
@@ -84,4 +85,6 @@ async def check_server(base_url: str, model: str | None, api_key: str | None = N
                     mock = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             pass
-    return ServerInfo(base, model, served, has_tokenize, int(max_len) if max_len else None, mock)
+    root = entry.get("root")
+    return ServerInfo(base, model, served, has_tokenize, int(max_len) if max_len else None, mock,
+                      str(root) if root else None)

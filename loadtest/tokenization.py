@@ -42,13 +42,7 @@ class FastTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
 
-@lru_cache(maxsize=4)
-def load_tokenizer(name_or_path: str):
-    """A tokenizer for a pdserve model name, a local model directory, or a cached hub id.
-
-    A directory with ``tokenizer.json`` is read with ``tokenizers`` directly; anything else goes
-    through ``transformers.AutoTokenizer``. Raises :class:`LoadTestError` when neither can load it.
-    """
+def _load_local(name_or_path: str):
     path = name_or_path
     try:
         from pdserve.shared.models.resolve import resolve_model
@@ -58,13 +52,33 @@ def load_tokenizer(name_or_path: str):
         pass
     if (Path(path) / "tokenizer.json").is_file():
         return FastTokenizer(Path(path) / "tokenizer.json")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(*candidates: str):
+    """A tokenizer for the first candidate that has one: a pdserve model name, a local model directory,
+    or a hub id (the local Hugging Face cache first, then the hub for the first candidate).
+
+    A directory with ``tokenizer.json`` is read with ``tokenizers`` directly; anything else goes through
+    ``transformers.AutoTokenizer``. Raises :class:`LoadTestError` when none can be loaded.
+    """
+    names = [c for c in dict.fromkeys(candidates) if c]
+    for name in names:
+        try:
+            return _load_local(name)
+        except Exception:  # transformers raises OSError/ValueError/HF errors for a missing tokenizer
+            continue
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # transformers raises OSError/ValueError/HF errors for a missing tokenizer
+        return AutoTokenizer.from_pretrained(names[0])
+    except Exception as exc:
         raise LoadTestError(
-            f"cannot load tokenizer {name_or_path!r} ({type(exc).__name__}); pass --tokenizer DIR"
+            f"cannot load a tokenizer for {' or '.join(map(repr, names))} ({type(exc).__name__}); "
+            "pass --tokenizer DIR"
         ) from None
 
 
