@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,11 +42,12 @@ from .params import (RequestPlan, build_sampling_params, check_context, check_cr
 from .prompts import PromptProcessor
 from .relay import abort_requests, read_outputs
 from .responses import ResponseBuilder
-from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+from .schemas import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                       TokenizeCompletionRequest)
 from .settings import RouterSettings
 
 logger = logging.getLogger("pdserve.router")
+REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 
 
 @dataclass(slots=True)
@@ -68,6 +71,15 @@ class Job:
     arrival: float
     builder: ResponseBuilder
     closed: bool = False
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _debug_enabled() -> bool:
@@ -157,6 +169,12 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
 
+    async def redis_error_handler(request: Request, exc: RedisError) -> JSONResponse:
+        return await errors.openai_error_handler(request, errors.redis_unavailable(exc, settings.retry_after_s))
+
+    app.add_exception_handler(RedisError, redis_error_handler)
+    app.add_exception_handler(Exception, errors.unexpected_error_handler)
+
     def state(request: Request) -> RouterState:
         return request.app.state.router
 
@@ -169,6 +187,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
             "id": settings.served_name, "object": "model", "created": st.created, "owned_by": "pdserve",
             "root": settings.model, "parent": None, "max_model_len": processor.max_model_len,
             "permission": []}]}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -241,7 +263,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         check_cross_field(req)
         if isinstance(req, ChatCompletionRequest):
             ids = await anyio.to_thread.run_sync(lambda: processor.chat_token_ids(
-                req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs))
+                req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
+                tools=req.tools))
             prompts, prompt_param = [ids], "messages"
         else:
             prompts = await anyio.to_thread.run_sync(
@@ -259,10 +282,13 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         arrival_wall, arrival = time.time(), time.monotonic()
         p = await plan(req)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        base = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
-        response_id = f"{prefix}-{base}"
+        header_id = request.headers.get("x-request-id")
+        client_id = req.request_id or (header_id if header_id and REQUEST_ID_RE.match(header_id) else None)
+        response_id = f"{prefix}-{client_id or uuid.uuid4().hex}"
+        # A client may reuse its id (retries): internal ids must stay unique, they name the output streams.
+        stem = f"{response_id}-{uuid.uuid4().hex[:8]}" if client_id else response_id
         total = len(p.prompts) * p.n
-        request_ids = [response_id] if total == 1 else [f"{response_id}-{i}" for i in range(total)]
+        request_ids = [stem] if total == 1 else [f"{stem}-{i}" for i in range(total)]
         pods: list[str] = []
         want_logprobs = bool(req.logprobs) if kind == "chat" else req.logprobs is not None
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -325,13 +351,16 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
 
     async def events(st: RouterState, job: Job) -> AsyncIterator[tuple[int, OutputEvent]]:
         timings = [_ChoiceTiming(job.arrival) for _ in job.request_ids]
-        async for index, event in read_outputs(st.redis, job.request_ids, settings.request_timeout_s):
-            timings[index].on_event(st.metrics, event)
-            if event.error is not None:
-                err = event.error
-                raise OpenAIError(int(err.get("code") or 500), str(err.get("message", "worker error")),
-                                  err.get("param"), err_type=err.get("type"))
-            yield index, event
+        try:
+            async for index, event in read_outputs(st.redis, job.request_ids, settings.request_timeout_s):
+                timings[index].on_event(st.metrics, event)
+                if event.error is not None:
+                    err = event.error
+                    raise OpenAIError(int(err.get("code") or 500), str(err.get("message", "worker error")),
+                                      err.get("param"), err_type=err.get("type"))
+                yield index, event
+        except RedisError as exc:
+            raise errors.redis_unavailable(exc, settings.retry_after_s) from exc
 
     async def respond(request: Request, job: Job) -> JSONResponse:
         st = state(request)

@@ -6,6 +6,7 @@ e.g. "BadRequestError"), ``code`` is the HTTP status, ``param`` names the offend
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -13,6 +14,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("pdserve.router")
 
 _TYPES = {
     400: "BadRequestError",
@@ -41,6 +44,12 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.type)
+
+
+def redis_unavailable(exc: Exception, retry_after_s: int) -> OpenAIError:
+    logger.warning("redis error: %s: %s", type(exc).__name__, exc)
+    return OpenAIError(503, f"The request queue (Redis) is unavailable: {type(exc).__name__}",
+                       headers={"Retry-After": str(retry_after_s)})
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -109,6 +118,11 @@ async def validation_error_handler(_: Request, exc: RequestValidationError) -> J
     if others:
         message += f" (and errors in {', '.join(sorted(str(o) for o in others))})"
     return error_response(400, message, param)
+
+
+async def unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error", exc_info=exc)
+    return error_response(500, f"Internal server error ({type(exc).__name__})")
 
 
 async def http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -70,6 +70,12 @@ def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice other than 'none' or 'auto' is not supported (no tool-call parser)",
+                              "tool_choice")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than {'type': 'text'} is not supported (no structured "
+                              "output)", "response_format")
         if req.add_generation_prompt and req.continue_final_message:
             raise bad_request("continue_final_message cannot be combined with add_generation_prompt "
                               "(set add_generation_prompt to false)", "continue_final_message")

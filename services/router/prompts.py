@@ -62,7 +62,8 @@ class PromptProcessor:
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         conversation = self.conversation(messages)
         if continue_final_message and conversation[-1]["role"] != "assistant":
             raise bad_request("continue_final_message requires the last message to be from the assistant",
@@ -70,15 +71,17 @@ class PromptProcessor:
         try:
             return self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}))
         except Exception as exc:  # jinja raises TemplateError and friends for conversations it refuses
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from exc
 
     def chat_token_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
                        chat_template_kwargs: dict[str, Any] | None = None,
-                       add_special_tokens: bool = False) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
+                       add_special_tokens: bool = False,
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, chat_template_kwargs,
+                                tools)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # ---- completions -----------------------------------------------------------------------

@@ -16,6 +16,9 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 _INT64 = 2**63 - 1
 
+# Client-chosen request ids end up in Redis key names and logs.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -66,7 +69,7 @@ class _SamplingFields(_Body):
     user: str | None = None
     priority: int = 0
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    request_id: str | None = None
+    request_id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -77,6 +80,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template (as vLLM does); calling them needs a tool parser, which pdserve lacks.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 Prompt = Union[StrictStr, list[StrictStr], list[TokenId], list[list[TokenId]]]

@@ -175,3 +175,39 @@ def test_unreachable_registry_gets_503(redis_url, processor, pods, worker):
 def test_unknown_route_and_method_get_openai_bodies(router):
     assert_error(httpx.get(router.url + "/v1/nothing", timeout=30), 404, "NotFoundError", None)
     assert_error(httpx.get(router.url + "/v1/chat/completions", timeout=30), 405, "MethodNotAllowedError", None)
+
+
+def test_redis_down_gets_503_and_unhealthy(registry_url, processor, pods):
+    from conftest import free_port, start_router
+    from pdserve.services.router.settings import RouterSettings
+
+    down = start_router(RouterSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0", registry_url=registry_url),
+                        processor, pods)
+    try:
+        resp = httpx.post(down.url + "/v1/chat/completions", json=chat()[1], timeout=30)
+        assert_error(resp, 503, "ServiceUnavailableError", None)
+        assert resp.headers["retry-after"] == "1"
+        health = httpx.get(down.url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    finally:
+        down.stop()
+
+
+def test_tool_choice_and_structured_output_are_refused_naming_them(router, worker):
+    resp = httpx.post(router.url + "/v1/chat/completions", timeout=30,
+                      json=chat(tool_choice={"type": "function", "function": {"name": "f"}})[1])
+    assert_error(resp, 400, "BadRequestError", "tool_choice")
+    resp = httpx.post(router.url + "/v1/chat/completions", timeout=30,
+                      json=chat(response_format={"type": "json_object"})[1])
+    assert_error(resp, 400, "BadRequestError", "response_format")
+    assert_next_request_works(router)
+
+
+def test_bad_client_request_id_is_refused_and_a_reused_one_still_works(router, worker):
+    resp = httpx.post(router.url + "/v1/chat/completions", json=chat(request_id="bad id with spaces")[1], timeout=30)
+    assert_error(resp, 400, "BadRequestError", "request_id")
+    for _ in range(2):  # the same client id twice: separate internal requests, same response id
+        resp = httpx.post(router.url + "/v1/chat/completions", timeout=30, headers={"X-Request-Id": "my-id"},
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "France?"}]})
+        assert resp.status_code == 200 and resp.json()["id"] == "chatcmpl-my-id"
+    assert len({r.request.request_id for r in worker.received}) == 2
