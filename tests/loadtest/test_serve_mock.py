@@ -108,7 +108,8 @@ def test_shared_prefix_and_sharegpt_datasets_run(mock, tmp_path):
                                {"from": "gpt", "value": "It is a number that comes after the one before it."}]}
             for i in range(5)]
     path.write_text(json.dumps(conv))
-    r = serve("--base-url", mock.url, "--tokenizer", TOKENIZER, "--dataset", "sharegpt", "--dataset-path",
+    # no --tokenizer: found through the "root" that /v1/models reports
+    r = serve("--base-url", mock.url, "--dataset", "sharegpt", "--dataset-path",
               str(path), "--num-prompts", "4", "--save-result", str(tmp_path / "sg-out.json"))
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "sg-out.json").read_text())["completed"] == 4
