@@ -11,11 +11,12 @@ from pdserve.shared.transport.frames import (
 )
 from pdserve.shared.transport.handshake import HandshakeError
 from pdserve.shared.transport.layout import KVLayout
+from pdserve.shared.transport.pool import KVClientPool
 from pdserve.shared.transport.receiver import KVReceiver
 from pdserve.shared.transport.server import KVTransferServer
 
 __all__ = [
     "Abort", "Blocks", "Commit", "CommitReply", "FrameError", "FrameLimits", "FrameTooLarge", "HandshakeError",
-    "KVLayout", "KVReceiver", "KVTransferClient", "KVTransferError", "KVTransferServer", "MalformedFrame",
+    "KVClientPool", "KVLayout", "KVReceiver", "KVTransferClient", "KVTransferError", "KVTransferServer", "MalformedFrame",
     "Reserve", "ReserveReply", "TruncatedFrame",
 ]

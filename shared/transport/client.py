@@ -15,6 +15,7 @@ from pdserve.shared.transport.frames import (
 )
 from pdserve.shared.transport.handshake import client_handshake, secret_bytes
 from pdserve.shared.transport.layout import KVLayout
+from pdserve.shared.transport.stream import FrameConnection, open_frame_connection
 
 log = logging.getLogger("pdserve.transport")
 
@@ -51,8 +52,8 @@ class KVTransferClient:
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self.limits = limits or FrameLimits()
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._reader: FrameConnection | None = None
+        self._writer: FrameConnection | None = None
         self._reader_task: asyncio.Task | None = None
         self._write_lock = asyncio.Lock()
         self._ids = itertools.count(1)
@@ -73,8 +74,8 @@ class KVTransferClient:
     async def connect(self) -> None:
         """Opens the connection and runs the handshake. Raises ``HandshakeError``, ``OSError`` or
         ``TimeoutError``."""
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port, limit=1 << 20), self.connect_timeout_s)
+        conn = await asyncio.wait_for(open_frame_connection(self.host, self.port), self.connect_timeout_s)
+        reader = writer = conn
         try:
             peer_max = await asyncio.wait_for(
                 client_handshake(reader, writer, self.layout, self._secret, self.limits, self.peer),

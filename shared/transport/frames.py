@@ -29,6 +29,9 @@ import torch
 
 from pdserve.shared.transport.layout import DTYPES
 
+if typing.TYPE_CHECKING:
+    from pdserve.shared.transport.stream import FrameConnection
+
 PROTOCOL_VERSION = 1
 _PREFIX = struct.Struct(">I")
 
@@ -336,7 +339,7 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise MalformedFrame(f"msgpack extension type {code} is not allowed")
 
 
-async def read_frame(reader: asyncio.StreamReader, limits: FrameLimits) -> tuple[Frame, int] | None:
+async def read_frame(reader: asyncio.StreamReader | FrameConnection, limits: FrameLimits) -> tuple[Frame, int] | None:
     """Reads one frame: ``(frame, frame_id)``, or ``None`` on a clean EOF between frames.
 
     Raises :class:`FrameTooLarge`, :class:`TruncatedFrame` or :class:`MalformedFrame`; at most
@@ -359,18 +362,25 @@ async def read_frame(reader: asyncio.StreamReader, limits: FrameLimits) -> tuple
     if payload_len:
         buf = bytearray(payload_len)
         view = memoryview(buf)
-        got = 0
-        while got < payload_len:
-            chunk = await reader.read(min(_READ_CHUNK, payload_len - got))
-            if not chunk:
-                raise TruncatedFrame(f"connection closed after {got} of {payload_len} payload bytes")
-            view[got:got + len(chunk)] = chunk
-            got += len(chunk)
+        if hasattr(reader, "readinto"):  # FrameConnection: the kernel writes into buf directly
+            try:
+                await reader.readinto(view)
+            except asyncio.IncompleteReadError as e:
+                raise TruncatedFrame(f"connection closed after {len(e.partial)} of {payload_len} payload bytes"
+                                     ) from None
+        else:
+            got = 0
+            while got < payload_len:
+                chunk = await reader.read(min(_READ_CHUNK, payload_len - got))
+                if not chunk:
+                    raise TruncatedFrame(f"connection closed after {got} of {payload_len} payload bytes")
+                view[got:got + len(chunk)] = chunk
+                got += len(chunk)
         frame.payload = buf  # type: ignore[union-attr]
     return frame, frame_id
 
 
-async def write_frame(writer: asyncio.StreamWriter, frame: Frame, frame_id: int = 0) -> int:
+async def write_frame(writer: asyncio.StreamWriter | FrameConnection, frame: Frame, frame_id: int = 0) -> int:
     """Writes one frame and waits for the transport's buffer to drain; returns bytes written."""
     n = 0
     for buf in encode_frame(frame, frame_id):

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+from typing import Any
 
 from pdserve.shared.transport.frames import (
     PROTOCOL_VERSION, Auth, AuthOk, Error, FrameError, FrameLimits, Hello, read_frame, write_frame,
@@ -31,6 +32,10 @@ from pdserve.shared.transport.layout import KVLayout
 log = logging.getLogger("pdserve.transport")
 
 NONCE_BYTES = 32
+# Before the peer is authenticated it gets small frames only: a stranger cannot make us buffer MBs.
+HANDSHAKE_LIMITS = FrameLimits(max_header_bytes=4096, max_payload_bytes=0)
+Reader = Any  # asyncio.StreamReader or FrameConnection
+Writer = Any  # asyncio.StreamWriter or FrameConnection
 _LABEL = b"pdserve-kv-transfer/1|"
 
 
@@ -55,7 +60,7 @@ def _mac(key: bytes, role: bytes, nonce_c: bytes, nonce_s: bytes) -> bytes:
     return hmac.new(key, _LABEL + role + b"|" + nonce_c + nonce_s, hashlib.sha256).digest()
 
 
-async def _refuse(writer: asyncio.StreamWriter, code: str, message: str, peer: str, side: str) -> HandshakeError:
+async def _refuse(writer: Writer, code: str, message: str, peer: str, side: str) -> HandshakeError:
     log.warning("KV-transfer %s refused peer %s: %s: %s", side, peer, code, message)
     try:
         await write_frame(writer, Error(code, message))
@@ -64,8 +69,8 @@ async def _refuse(writer: asyncio.StreamWriter, code: str, message: str, peer: s
     return HandshakeError(code, message)
 
 
-async def _expect(reader: asyncio.StreamReader, limits: FrameLimits, peer: str, side: str, *types_: type):
-    got = await read_frame(reader, limits)
+async def _expect(reader: Reader, peer: str, side: str, *types_: type):
+    got = await read_frame(reader, HANDSHAKE_LIMITS)
     if got is None:
         raise HandshakeError("protocol", f"{peer} closed the connection during the handshake")
     frame, _ = got
@@ -78,15 +83,17 @@ async def _expect(reader: asyncio.StreamReader, limits: FrameLimits, peer: str, 
 
 
 async def client_handshake(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, layout: KVLayout, secret: str | bytes,
+    reader: Reader, writer: Writer, layout: KVLayout, secret: str | bytes,
     limits: FrameLimits, peer: str,
 ) -> int:
-    """Runs the client side; returns the server's max payload bytes. Raises :class:`HandshakeError`."""
+    """Runs the client side; returns the server's max payload bytes. ``limits.max_payload_bytes`` is
+    announced to the server (the handshake itself reads with ``HANDSHAKE_LIMITS``). Raises
+    :class:`HandshakeError`."""
     key = secret_bytes(secret)
     nonce_c = secrets.token_bytes(NONCE_BYTES)
     await write_frame(writer, Hello(PROTOCOL_VERSION, layout.to_dict(), nonce_c, limits.max_payload_bytes))
     try:
-        hello = await _expect(reader, limits, peer, "client", Hello)
+        hello = await _expect(reader, peer, "client", Hello)
     except FrameError as e:
         raise HandshakeError("protocol", f"bad frame from {peer}: {e}") from None
     try:
@@ -103,20 +110,20 @@ async def client_handshake(
                             peer, "client")
     await write_frame(writer, Auth(_mac(key, b"client", nonce_c, hello.nonce)))
     try:
-        await _expect(reader, limits, peer, "client", AuthOk)
+        await _expect(reader, peer, "client", AuthOk)
     except FrameError as e:
         raise HandshakeError("protocol", f"bad frame from {peer}: {e}") from None
     return hello.max_payload_bytes
 
 
 async def server_handshake(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, layout: KVLayout, secret: str | bytes,
+    reader: Reader, writer: Writer, layout: KVLayout, secret: str | bytes,
     limits: FrameLimits, peer: str,
 ) -> int:
     """Runs the server side; returns the client's max payload bytes. Raises :class:`HandshakeError`
     (after sending the peer an ``Error`` frame) or :class:`FrameError`."""
     key = secret_bytes(secret)
-    hello = await _expect(reader, limits, peer, "server", Hello)
+    hello = await _expect(reader, peer, "server", Hello)
     if hello.version != PROTOCOL_VERSION:
         raise await _refuse(writer, "version_mismatch",
                             f"protocol version server {PROTOCOL_VERSION} != client {hello.version}", peer, "server")
@@ -132,7 +139,7 @@ async def server_handshake(
     nonce_s = secrets.token_bytes(NONCE_BYTES)
     await write_frame(writer, Hello(PROTOCOL_VERSION, layout.to_dict(), nonce_s, limits.max_payload_bytes,
                                     mac=_mac(key, b"server", hello.nonce, nonce_s)))
-    auth = await _expect(reader, limits, peer, "server", Auth)
+    auth = await _expect(reader, peer, "server", Auth)
     if not hmac.compare_digest(auth.mac, _mac(key, b"client", hello.nonce, nonce_s)):
         raise await _refuse(writer, "auth_failed",
                             "client failed the shared-secret challenge (PDSERVE_KV_TRANSFER_SECRET differs)",

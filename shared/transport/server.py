@@ -13,6 +13,7 @@ from pdserve.shared.transport.frames import (
 )
 from pdserve.shared.transport.handshake import HandshakeError, secret_bytes, server_handshake
 from pdserve.shared.transport.receiver import KVReceiver
+from pdserve.shared.transport.stream import FrameConnection, start_frame_server
 
 log = logging.getLogger("pdserve.transport")
 
@@ -30,7 +31,7 @@ class _Lease:
 @dataclass(eq=False)
 class _Conn:
     peer: str
-    writer: asyncio.StreamWriter
+    writer: FrameConnection
     leases: dict[str, _Lease] = field(default_factory=dict)
 
 
@@ -74,8 +75,7 @@ class KVTransferServer:
 
     async def start(self) -> None:
         """Binds and listens; ``port=0`` picks a free port (read it from ``.port`` afterwards)."""
-        self._server = await asyncio.start_server(self._on_connection, self.host, self.port,
-                                                  limit=1 << 20)
+        self._server = await start_frame_server(self._on_connection, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("KV-transfer server listening on %s:%d (layout %s)", self.host, self.port,
                  self.receiver.layout)
@@ -104,7 +104,8 @@ class KVTransferServer:
     # ---------------------------------------------------------------------------------------
     # connections
 
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_connection(self, conn_: FrameConnection) -> None:
+        reader = writer = conn_
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
@@ -153,7 +154,7 @@ class KVTransferServer:
                 pass
             self._conns.discard(task)
 
-    async def _serve(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
+    async def _serve(self, conn: _Conn, reader: FrameConnection) -> None:
         while True:
             got = await read_frame(reader, self.limits)
             if got is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import struct
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from support.kv_pool import PoolReceiver
 
 from pdserve.shared.transport import (
-    Commit, FrameLimits, HandshakeError, KVLayout, KVTransferClient, KVTransferError, KVTransferServer, Reserve,
+    Commit, FrameLimits, HandshakeError, KVClientPool, KVLayout, KVTransferClient, KVTransferError, KVTransferServer, Reserve,
 )
 from pdserve.shared.transport.frames import Auth, Blocks, Error, Hello, encode_frame, read_frame, write_frame
 
@@ -312,3 +313,53 @@ async def test_server_stop_releases_open_leases(layout):
             await client.reserve(Reserve("again", [1], 1, [], None))
             await asyncio.sleep(0.05)
     await client.close()
+
+
+async def test_before_authentication_a_peer_gets_only_small_frames(layout):
+    receiver = PoolReceiver(layout)
+    server = await started(receiver)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(struct.pack(">I", 1 << 20))  # within the 2 MiB limit of an authenticated peer
+        frame, _ = await read_frame(reader, FrameLimits())
+        assert frame == Error("protocol", "header of 1048576 bytes exceeds the limit of 4096")
+        writer.close()
+    finally:
+        await server.stop()
+
+
+async def test_the_pool_reuses_one_connection_and_reconnects_after_a_break(layout):
+    receiver = PoolReceiver(layout)
+    server = await started(receiver)
+    pool = KVClientPool(layout, SECRET)
+    try:
+        a, b = await asyncio.gather(pool.get("127.0.0.1", server.port), pool.get("127.0.0.1", server.port))
+        assert a is b and server.connections_accepted == 1
+        await a.reserve(Reserve("r", [1] * 16, 16, [], None))
+        await a.send_blocks("r", 0, random_blocks(layout, 1))
+        a._writer.abort()  # the connection breaks (as if the decode pod restarted)
+        await eventually(lambda: not a.connected)
+        c = await pool.get("127.0.0.1", server.port)
+        assert c is not a and c.connected and server.connections_accepted == 2
+        assert (await c.reserve(Reserve("r2", [1] * 16, 16, [], None))).ok
+        assert pool.bytes_sent == layout.block_nbytes
+        await eventually(lambda: receiver.released == ["r"])  # the broken connection's lease
+    finally:
+        await pool.close()
+        await server.stop()
+
+
+async def test_a_large_transfer_with_smollm2_layout_arrives_bit_exact():
+    """14 MiB in one frame: many partial recvs into the payload buffer, writer flow control."""
+    layout = KVLayout(block_size=16, dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64,
+                      model="smollm2-135m-instruct")
+    receiver = PoolReceiver(layout, num_blocks=40)
+    server = await started(receiver)
+    try:
+        async with KVTransferClient("127.0.0.1", server.port, layout, SECRET) as client:
+            kv = random_blocks(layout, 40, seed=5)
+            await client.reserve(Reserve("big", [1] * 640, 640, [], None))
+            assert await client.send_blocks("big", 0, kv) == 40 * 368_640
+            assert same_bits(receiver.blocks_of("big"), kv)
+    finally:
+        await server.stop()

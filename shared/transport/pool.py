@@ -1,0 +1,63 @@
+"""One authenticated KV-transfer connection per decode pod, reused across requests (prefill side)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.shared.transport.client import KVTransferClient
+from pdserve.shared.transport.layout import KVLayout
+
+
+class KVClientPool:
+    """``await pool.get(host, port)`` returns a connected :class:`KVTransferClient` for that decode
+    pod, opening it (handshake included) on first use and again after it broke. Concurrent callers
+    share one connection (the client multiplexes requests). Raises what ``connect()`` raises."""
+
+    def __init__(self, layout: KVLayout, secret: str | bytes, **client_kwargs: object) -> None:
+        self.layout = layout
+        self._secret = secret
+        self._client_kwargs = client_kwargs
+        self._clients: dict[tuple[str, int], KVTransferClient] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        # Totals over every connection this pool has had (for pdserve:kv_transfer_* metrics).
+        self._retired_bytes = 0
+        self._retired_seconds = 0.0
+
+    async def get(self, host: str, port: int) -> KVTransferClient:
+        key = (host, port)
+        client = self._clients.get(key)
+        if client is not None and client.connected:
+            return client
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            client = self._clients.get(key)
+            if client is not None and client.connected:
+                return client
+            if client is not None:
+                await self._retire(key)
+            client = KVTransferClient(host, port, self.layout, self._secret, **self._client_kwargs)  # type: ignore[arg-type]
+            await client.connect()
+            self._clients[key] = client
+            return client
+
+    async def discard(self, host: str, port: int) -> None:
+        """Closes the connection to that pod (e.g. it left the registry)."""
+        if (host, port) in self._clients:
+            await self._retire((host, port))
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._retired_bytes + sum(c.bytes_sent for c in self._clients.values())
+
+    @property
+    def seconds(self) -> float:
+        return self._retired_seconds + sum(c.seconds for c in self._clients.values())
+
+    async def _retire(self, key: tuple[str, int]) -> None:
+        client = self._clients.pop(key)
+        self._retired_bytes += client.bytes_sent
+        self._retired_seconds += client.seconds
+        await client.close()
+
+    async def close(self) -> None:
+        for key in list(self._clients):
+            await self._retire(key)
