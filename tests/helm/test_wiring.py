@@ -318,6 +318,12 @@ def test_loadtest_job_targets_the_router_service(chart):
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["args"][:6] == ["bench", "serve", "--base-url", f"http://{FULL}-router:8000", "--model", "smollm2-135m-instruct"]
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    # The arguments are ones `pdserve bench serve` accepts (parsed by the real command, not run).
+    from pdserve.loadtest.cli import bench
+
+    serve = bench.commands["serve"]
+    ctx = serve.make_context("serve", c["args"][2:])
+    assert ctx.params["base_url"] == f"http://{FULL}-router:8000" and ctx.params["num_prompts"] == 200
 
 
 def test_ingress_and_httproute_point_at_the_router(chart):
