@@ -8,6 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from pdserve.loadtest.arrivals import arrival_times
 from pdserve.loadtest.cli import bench
 from pdserve.loadtest.procs import free_port
 
@@ -52,6 +53,9 @@ def test_serve_writes_every_key_with_values_the_mock_implies(mock, tmp_path):
     assert res["request_goodput"] == pytest.approx(res["request_throughput"])
     assert res["output_throughput"] == pytest.approx(96 / res["duration"])
     assert res["request_rate"] == 40.0 and res["burstiness"] == 1.0
+    # requests went out on the gamma schedule of the seed, never before their intended time
+    assert res["intended_send_times"] == pytest.approx(list(arrival_times(12, 40.0, 1.0, seed=0)))
+    assert all(a >= i for a, i in zip(res["actual_send_times"], res["intended_send_times"]))
     ov = res["client_overhead"]
     assert ov["configured_ttft_ms"] == 50.0 and ov["configured_itl_ms"] == pytest.approx(10.0)
     assert ov["mean_ttft_overhead_ms"] == pytest.approx(res["mean_ttft_ms"] - 50.0)
