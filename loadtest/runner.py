@@ -155,8 +155,8 @@ async def run_benchmark(
     tasks: list[asyncio.Task] = []
     try:
         for i, (req, off) in enumerate(zip(requests, offsets)):
-            delay = t0 + float(off) - time.perf_counter()
-            if delay > 0:
+            # event loops wake timers up to their clock resolution early: sleep again until truly due
+            while (delay := t0 + float(off) - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i, req, float(off))))
         await asyncio.gather(*tasks)
