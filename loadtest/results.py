@@ -61,7 +61,8 @@ def build_result(
     # at an infinite rate every request is "due" at t=0, so lag only measures how fast tasks start
     if meta.get("request_rate") != "inf" and result["p99_send_lag_ms"] > lag_warning_ms:
         warning = (f"client lag: p99 {result['p99_send_lag_ms']:.1f} ms (max {result['max_send_lag_ms']:.1f} ms) "
-                   f"behind the intended send times; the client, not the server, may be the bottleneck")
+                   f"behind the intended send times: the load generator or its machine is too busy, so the offered "
+                   f"load was lower and burstier than asked")
     result["client_lag_warning"] = warning
     labels = sorted({r.label for r in outcome.records if r.label})
     if len(labels) > 1:
