@@ -298,6 +298,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                   continuous_usage=bool(req.stream_options
                                                         and req.stream_options.continuous_usage_stats))
         job = Job(response_id, request_ids, pods, arrival, builder)
+        st.metrics.running.inc()
         try:
             for prompt_index, ids in enumerate(p.prompts):
                 placement = await st.dispatcher.place(len(ids))
@@ -317,10 +318,9 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                 if _debug_enabled():
                     logger.debug("request %s prompt ids %s params %s", response_id, ids, choices[0].sampling_params)
         except BaseException:
-            if pods:  # some choices are queued already
-                await finish(st, job, aborted=True, reason="enqueue_failed")
+            # Choices already queued (a batch whose later prompt found no pod) must not run.
+            await finish(st, job, aborted=bool(pods), reason="enqueue_failed")
             raise
-        st.metrics.running.inc()
         return job
 
     async def finish(st: RouterState, job: Job, aborted: bool, reason: str = "client_disconnected") -> None:
@@ -330,8 +330,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
             return
         job.closed = True
         with anyio.CancelScope(shield=True):
-            if job.pods:
-                st.metrics.running.dec()
+            st.metrics.running.dec()
             if aborted:
                 st.metrics.aborted.labels(settings.served_name, reason).inc()
                 logger.info("request %s aborted (%s)", job.response_id, reason)

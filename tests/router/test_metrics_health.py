@@ -48,3 +48,15 @@ def test_queue_depth_is_the_prefill_stream_length(router, redis_client):
     assert samples(router)[("pdserve:prefill_queue_depth", "")] == 3
     text = httpx.get(router.url + "/metrics", timeout=10).text
     assert re.search(r'^pdserve:prefill_queue_depth\{model_name="smollm2-135m-instruct"\} 3\.0$', text, re.M)
+
+
+def test_failed_and_aborted_requests_leave_no_running_request(router, worker):
+    router.pods.remove("decode-0")
+    assert httpx.post(router.url + "/v1/completions", timeout=30,
+                      json={"model": "smollm2-135m-instruct", "prompt": "Hi"}).status_code == 503
+    router.pods.add("decode-0")
+    assert httpx.post(router.url + "/v1/completions", timeout=30,
+                      json={"model": "smollm2-135m-instruct", "prompt": "TRIGGER_WORKER_ERROR"}).status_code == 500
+    m = samples(router)
+    assert m[("pdserve:num_requests_running", "")] == 0
+    assert m[("pdserve:requests_aborted_total", "reason=InternalServerError")] == 1
