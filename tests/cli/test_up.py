@@ -183,3 +183,22 @@ def test_plan_forwards_engine_flags_and_gives_every_worker_its_own_ports(tmp_pat
     colocated = plan(UpOptions(num_prefill=1, num_decode=1, colocated=True, redis_url="redis://r"), tmp_path)
     assert [c.name for c in colocated] == ["registry", "decode-0", "router"]
     assert colocated[1].env["PDSERVE_COLOCATED"] == "true"
+
+
+def test_up_with_the_router_prints_a_working_openai_base_url(tmp_path):
+    port = free_port()
+    up = Up("--prefill", "0", "--decode", "0", "--port", str(port), "--log-dir", str(tmp_path / "logs"))
+    try:
+        base = up.wait_for(r"^  router +\S+  \(OpenAI base URL: (http://\S+/v1)\)").group(1)
+        up.wait_for("Press Ctrl-C to stop")
+        children = descendants(up.proc.pid)
+        assert sorted(role_of(p) for p in children) == ["redis-server", "registry", "router"]
+        assert base == f"http://127.0.0.1:{port}/v1"
+        models = httpx.get(f"{base}/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["smollm2-135m-instruct"]
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.finish().endswith("pdserve up: all processes stopped") and up.proc.returncode == 0
+        assert all_gone(children)
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
