@@ -138,6 +138,7 @@ class UpOptions:
     api_key: str | None = None
     log_dir: Path | None = None
     log_level: str = "info"
+    follow_logs: bool = False
     engine: dict[str, str] = field(default_factory=dict)  # PDSERVE_* engine settings to forward
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 10.0
@@ -215,11 +216,31 @@ class _Stop(Exception):
 
 
 class Ensemble:
-    """Starts, watches and stops the children of one ``pdserve up``."""
+    """Starts, watches and stops the children of one ``pdserve up``.
 
-    def __init__(self, children: list[Child], echo=click.echo) -> None:
+    ``follow_logs``: also copy every child's new log lines to stdout, prefixed with its name.
+    """
+
+    def __init__(self, children: list[Child], echo=click.echo, follow_logs: bool = False) -> None:
         self.children = children
         self.echo = echo
+        self.follow_logs = follow_logs
+        self._offsets: dict[str, int] = {}
+
+    def pump_logs(self) -> None:
+        if not self.follow_logs:
+            return
+        for child in self.children:
+            try:
+                with open(child.log_path, "rb") as f:
+                    f.seek(self._offsets.get(child.name, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            complete = data[: data.rfind(b"\n") + 1]
+            self._offsets[child.name] = self._offsets.get(child.name, 0) + len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                self.echo(f"[{child.name}] {line}")
 
     def start(self, timeout_s: float) -> None:
         """Starts Redis and the registry first (everyone else needs them), then the rest; waits for
@@ -247,6 +268,7 @@ class Ensemble:
                 names = ", ".join(c.name for c in pending)
                 raise StartupError(f"{names} not healthy after {timeout_s:.0f} s. Last lines of "
                                    f"{pending[0].log_path}:\n{pending[0].tail()}")
+            self.pump_logs()
             if pending:
                 time.sleep(0.2)
 
@@ -259,6 +281,7 @@ class Ensemble:
                     self.echo(f"pdserve up: {child.name} exited with status {rc}; stopping everything. "
                               f"Last lines of {child.log_path}:\n{child.tail()}", err=True)
                     raise SystemExit(1)
+            self.pump_logs()
             time.sleep(0.5)
 
     def stop(self, timeout_s: float) -> None:
@@ -298,7 +321,7 @@ def run(opts: UpOptions) -> int:
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-")) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     children = plan(opts, log_dir)
-    ensemble = Ensemble(children)
+    ensemble = Ensemble(children, follow_logs=opts.follow_logs)
     state = {"stopping": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -335,6 +358,7 @@ def run(opts: UpOptions) -> int:
     finally:
         state["stopping"] = True
         ensemble.stop(opts.stop_timeout_s)
+        ensemble.pump_logs()
         shutil.rmtree(log_dir / "redis-data", ignore_errors=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -369,6 +393,7 @@ def run(opts: UpOptions) -> int:
               help="[PDSERVE_LOCAL_PREFILL_THRESHOLD]")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where child logs go [default: a new temporary directory, printed].")
+@click.option("--follow-logs", is_flag=True, help="Also print every child's log lines, prefixed with its name.")
 @click.option("--log-level", default="info", show_default=True, help="Children's log level [PDSERVE_LOG_LEVEL].")
 @click.option("--startup-timeout-s", type=float, default=600.0, show_default=True,
               help="How long to wait for every /health.")

@@ -137,7 +137,7 @@ def test_a_child_failing_at_startup_is_reported_with_its_log_and_everything_stop
 
 
 def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
-    up = Up("--prefill", "0", "--decode", "0", "--no-router", "--log-dir", str(tmp_path / "logs"),
+    up = Up("--prefill", "0", "--decode", "0", "--no-router", "--log-dir", str(tmp_path / "logs"), "--follow-logs",
             env={"REDIS_URL": redis_server.url})
     try:
         registry = up.wait_for(r"^  registry +(http://\S+)").group(1)
@@ -150,7 +150,10 @@ def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
         assert r.exists("pdserve:registry:pod:p0") == 1
         r.close()
         up.proc.send_signal(signal.SIGINT)
-        assert up.finish().endswith("pdserve up: all processes stopped") and up.proc.returncode == 0
+        out = up.finish()
+        assert out.endswith("pdserve up: all processes stopped") and up.proc.returncode == 0
+        # --follow-logs: the registry's own log lines, prefixed
+        assert f"[registry] " in out and "pdserve.registry: registry: redis " + redis_server.url in out
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
