@@ -17,7 +17,6 @@ on the refusing side and sent to the peer as an ``Error`` frame, which the peer 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import logging

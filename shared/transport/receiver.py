@@ -13,9 +13,10 @@ from pdserve.shared.transport.layout import KVLayout
 class KVReceiver(Protocol):
     """Implemented by the decode worker; the :class:`KVTransferServer` calls it.
 
-    Calls for one connection arrive in order and never overlap; calls for different connections
-    may interleave. Exceptions raised here become an error reply to the peer (and a ``release``),
-    never a server crash.
+    Calls for one request arrive in order and never overlap. Calls for different requests may
+    interleave: a ``commit`` (which may wait until the request joined the batch) runs while the
+    same connection's next request is reserved and receives blocks. Exceptions raised here become
+    an error reply to the peer (and a ``release``), never a server crash.
     """
 
     layout: KVLayout

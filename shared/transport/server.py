@@ -61,6 +61,7 @@ class KVTransferServer:
         self._leases: dict[str, _Lease] = {}
         self._conns: set[asyncio.Task] = set()
         self._expiries: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # commits in flight
         # Counters the decode worker exports as metrics.
         self.bytes_received = 0
         self.blocks_received = 0
@@ -87,6 +88,7 @@ class KVTransferServer:
         for task in list(self._conns):
             task.cancel()
         await asyncio.gather(*self._conns, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)  # let started commits finish
         for task in list(self._expiries):
             task.cancel()
         await asyncio.gather(*self._expiries, return_exceptions=True)
@@ -160,16 +162,30 @@ class KVTransferServer:
             if got is None:
                 return
             frame, frame_id = got
+            if isinstance(frame, Commit):
+                # A commit waits for the request to join the decode batch (up to a step); the next
+                # request's blocks on this connection need not wait behind it.
+                task = asyncio.get_running_loop().create_task(self._reply_later(conn, frame, frame_id))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+                await asyncio.sleep(0)  # it takes the lease's lock (FIFO) before we read the next frame
+                continue
             reply = await self._dispatch(conn, frame)
             await write_frame(conn.writer, reply, frame_id)
+
+    async def _reply_later(self, conn: _Conn, frame: Commit, frame_id: int) -> None:
+        reply = await self._commit(conn, frame)
+        try:
+            await write_frame(conn.writer, reply, frame_id)
+        except (ConnectionError, OSError) as e:
+            log.warning("KV-transfer peer %s gone before the reply to commit of %s (ok=%s): %s",
+                        conn.peer, frame.request_id, reply.ok, e)
 
     async def _dispatch(self, conn: _Conn, frame: Frame) -> Frame:
         if isinstance(frame, Reserve):
             return await self._reserve(conn, frame)
         if isinstance(frame, Blocks):
             return await self._blocks(conn, frame)
-        if isinstance(frame, Commit):
-            return await self._commit(conn, frame)
         if isinstance(frame, Abort):
             return await self._abort(conn, frame)
         raise MalformedFrame(f"unexpected {frame.TYPE} frame after the handshake")

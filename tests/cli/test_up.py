@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import psutil
@@ -153,7 +152,7 @@ def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
         out = up.finish()
         assert out.endswith("pdserve up: all processes stopped") and up.proc.returncode == 0
         # --follow-logs: the registry's own log lines, prefixed
-        assert f"[registry] " in out and "pdserve.registry: registry: redis " + redis_server.url in out
+        assert "[registry] " in out and "pdserve.registry: registry: redis " + redis_server.url in out
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
@@ -163,7 +162,7 @@ def test_up_refuses_an_unreachable_redis():
     up = Up("--no-router", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     out = up.finish()
     assert up.proc.returncode == 1
-    assert f"Error: cannot reach Redis at redis://127.0.0.1:" in out
+    assert "Error: cannot reach Redis at redis://127.0.0.1:" in out
 
 
 def test_plan_forwards_engine_flags_and_gives_every_worker_its_own_ports(tmp_path):

@@ -363,3 +363,33 @@ async def test_a_large_transfer_with_smollm2_layout_arrives_bit_exact():
             assert same_bits(receiver.blocks_of("big"), kv)
     finally:
         await server.stop()
+
+
+async def test_a_slow_commit_does_not_hold_up_the_next_transfer_on_the_connection(layout):
+    """The decode pod acks a commit only once the request joined its batch; meanwhile the same
+    connection carries the next request's blocks."""
+    receiver = PoolReceiver(layout)
+    joined = asyncio.Event()
+    plain_commit = receiver.commit
+
+    async def commit_at_next_step(msg):
+        if msg.request_id == "first":
+            await joined.wait()
+        return await plain_commit(msg)
+    receiver.commit = commit_at_next_step
+    server = await started(receiver)
+    try:
+        async with KVTransferClient("127.0.0.1", server.port, layout, SECRET) as client:
+            await client.reserve(Reserve("first", [1] * 16, 16, [], None))
+            first_commit = asyncio.ensure_future(client.commit(commit_msg("first", [1] * 16)))
+            kv = random_blocks(layout, 2, seed=9)
+            await client.reserve(Reserve("second", [2] * 32, 32, [], None))
+            await client.send_blocks("second", 0, kv)
+            assert (await client.commit(commit_msg("second", [2] * 32))).ok
+            assert not first_commit.done() and list(receiver.committed) == ["second"]
+            joined.set()
+            assert (await first_commit).ok
+            assert list(receiver.committed) == ["second", "first"] and server.active_leases == 0
+            assert same_bits(receiver.blocks_of("second"), kv)
+    finally:
+        await server.stop()
