@@ -62,6 +62,7 @@ class KVTransferServer:
         self._conns: set[asyncio.Task] = set()
         self._expiries: set[asyncio.Task] = set()
         self._background: set[asyncio.Task] = set()  # commits in flight
+        self._stopping = False
         # Counters the decode worker exports as metrics.
         self.bytes_received = 0
         self.blocks_received = 0
@@ -76,6 +77,7 @@ class KVTransferServer:
 
     async def start(self) -> None:
         """Binds and listens; ``port=0`` picks a free port (read it from ``.port`` afterwards)."""
+        self._stopping = False
         self._server = await start_frame_server(self._on_connection, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("KV-transfer server listening on %s:%d (layout %s)", self.host, self.port,
@@ -83,6 +85,7 @@ class KVTransferServer:
 
     async def stop(self) -> None:
         """Stops accepting, closes every connection and releases every open lease."""
+        self._stopping = True
         if self._server is not None:
             self._server.close()
         for task in list(self._conns):
@@ -108,6 +111,9 @@ class KVTransferServer:
 
     async def _on_connection(self, conn_: FrameConnection) -> None:
         reader = writer = conn_
+        if self._stopping:  # accepted in the instant stop() began
+            conn_.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
