@@ -4,7 +4,8 @@ The workload mixes short requests with long prompts that keep arriving (every ``
 request). In a colocated engine each long prefill shares steps with the short requests' decodes, so
 their TPOT and ITL spike (prefill interference); with separate prefill and decode tiers they should
 not. Each configuration is started as ``pdserve up --port P --model M (--prefill 1 --decode 1 |
---colocated)`` on a free port, used once ``GET /health`` answers 200, and stopped with SIGTERM.
+--colocated)`` on a free port, used once ``GET /health`` answers 200 and a one-token completion
+succeeds (a router is healthy before its workers have registered), and stopped with SIGTERM.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
                 cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model,
                        *MODES[mode], *up_args]
             click.echo(f"[{mode}] starting: {shlex.join(cmd)}", err=True)
-            with running(cmd, url + "/health", timeout_s=up_timeout):
+            with running(cmd, url + "/health", timeout_s=up_timeout, serving_model=model):
                 opts = replace(base, client=replace(base.client, base_url=url), label=mode)
 
                 async def main(opts=opts):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -48,6 +49,33 @@ def wait_healthy(url: str, proc: subprocess.Popen, log_path: str, timeout_s: flo
     raise LoadTestError(f"{url} was not healthy after {timeout_s:g} s: {_tail(log_path)}")
 
 
+def wait_serving(base_url: str, model: str, proc: subprocess.Popen, log_path: str, timeout_s: float) -> None:
+    """Poll a one-token completion until it answers 200: a router can be healthy before any worker is.
+
+    503 and connection errors mean "not yet"; any other status is an error worth reporting at once.
+    """
+    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1}).encode()
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LoadTestError(f"{' '.join(proc.args[:4])} exited with {proc.returncode}: {_tail(log_path)}")
+        req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                if resp.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}: {exc.read()[:200].decode(errors='replace')}"
+            if exc.code != 503:
+                raise LoadTestError(f"{base_url} is up but cannot serve {model!r}: {last}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(1.0)
+    raise LoadTestError(f"{base_url} could not serve a request after {timeout_s:g} s ({last})")
+
+
 def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     """SIGTERM the process group, then SIGKILL what is left after ``grace_s``."""
     if proc.poll() is not None:
@@ -67,14 +95,21 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 
 
 @contextmanager
-def running(cmd: list[str], health_url: str, timeout_s: float = 300.0,
-            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """Run ``cmd`` in its own process group until the block ends; its output goes to a temp log."""
+def running(cmd: list[str], health_url: str, timeout_s: float = 300.0, env: dict[str, str] | None = None,
+            serving_model: str | None = None) -> Iterator[subprocess.Popen]:
+    """Run ``cmd`` in its own process group until the block ends; its output goes to a temp log.
+
+    Ready means ``GET health_url`` answers 200 and, with ``serving_model``, that one completion succeeds.
+    """
     log = tempfile.NamedTemporaryFile(prefix="pdserve-bench-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})})
     try:
+        start = time.monotonic()
         wait_healthy(health_url, proc, log.name, timeout_s)
+        if serving_model:
+            base = health_url.rsplit("/", 1)[0]
+            wait_serving(base, serving_model, proc, log.name, max(timeout_s - (time.monotonic() - start), 1.0))
         yield proc
     finally:
         stop(proc)

@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
 
+from loadtest_support import TOKENIZER, Mock
 from pdserve.loadtest.procs import free_port, mock_cmd, running
-
-TOKENIZER = "smollm2-135m-instruct"
-
-
-class Mock:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def stats(self) -> dict:
-        with urllib.request.urlopen(self.url + "/mock/stats", timeout=10) as r:  # not behind the API key
-            return json.load(r)
-
-    def generation_requests(self) -> int:
-        reqs = self.stats()["requests"]
-        return reqs.get("/v1/completions", 0) + reqs.get("/v1/chat/completions", 0)
 
 
 def _start(*args: str):

@@ -12,7 +12,7 @@ from pdserve.loadtest.datasets.sharegpt import load_pairs
 from pdserve.loadtest.errors import LoadTestError
 from pdserve.loadtest.tokenization import PromptMaker, load_tokenizer, local_counter, sampling_vocab
 
-from conftest import TOKENIZER
+from loadtest_support import TOKENIZER
 
 
 @pytest.fixture(scope="module")

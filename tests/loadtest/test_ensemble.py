@@ -26,7 +26,7 @@ def test_serve_against_pdserve_up_writes_every_key(tmp_path):
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", MODEL]
     out = tmp_path / "up.json"
-    with running(cmd, url + "/health", timeout_s=600):
+    with running(cmd, url + "/health", timeout_s=600, serving_model=MODEL):
         r = CliRunner().invoke(bench, [
             "serve", "--disable-tqdm", "--base-url", url, "--model", MODEL, "--num-prompts", "4",
             "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos", "--request-rate", "2",

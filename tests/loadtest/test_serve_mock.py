@@ -12,7 +12,7 @@ from pdserve.loadtest.arrivals import arrival_times
 from pdserve.loadtest.cli import bench
 from pdserve.loadtest.procs import free_port
 
-from conftest import TOKENIZER
+from loadtest_support import TOKENIZER
 
 VLLM_KEYS = [
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",

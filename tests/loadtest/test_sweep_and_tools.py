@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from pdserve.loadtest.cli import bench
 from pdserve.loadtest.pd_compare import interleave, up_unavailable_reason
 
-from conftest import TOKENIZER
+from loadtest_support import TOKENIZER
 
 
 def run(*args: str):

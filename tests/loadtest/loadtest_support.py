@@ -1,0 +1,23 @@
+"""Constants and helpers shared by the load-test tests (a unique module name: every tests/ folder has a conftest)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+TOKENIZER = "smollm2-135m-instruct"
+
+
+class Mock:
+    """A running ``pdserve bench mock-server`` and its request counters."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(self.url + "/mock/stats", timeout=10) as r:  # not behind the API key
+            return json.load(r)
+
+    def generation_requests(self) -> int:
+        reqs = self.stats()["requests"]
+        return reqs.get("/v1/completions", 0) + reqs.get("/v1/chat/completions", 0)
