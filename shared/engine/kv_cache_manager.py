@@ -1,0 +1,150 @@
+"""Which blocks each request holds: prefix-cache lookup, slot allocation, copy-on-write, freeing.
+
+vLLM v1's ``KVCacheManager`` (``get_computed_blocks``, ``allocate_slots``, ``free``) plus vLLM v0's
+copy-on-write for forked sequences (n > 1 shares every prompt block, including the partial last one;
+the first append to a shared block copies it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.shared.engine.block_pool import BlockPool, KVCacheBlock
+from pdserve.shared.engine.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}  # leading blocks of a request registered in the cache
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next step
+
+    # prefix cache
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request's full blocks, and how many tokens it covers.
+
+        A prompt that is cached whole still recomputes its last token (its logits are needed), so
+        the hit is at most ``num_tokens - 1`` tokens, rounded down to whole blocks.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = request.update_block_hashes(self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                break
+            blocks.append(block)
+        num_tokens = len(blocks) * self.block_size
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_tokens
+        return blocks, num_tokens
+
+    # allocation
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
+        return self._num_free_needed(request, num_new_tokens, new_computed_blocks) <= self.block_pool.get_num_free_blocks()
+
+    def _num_free_needed(self, request, num_new_tokens, new_computed_blocks) -> int:
+        held = self.req_to_blocks.get(request.request_id, ())
+        total = self.num_blocks_needed(request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                                       + num_new_tokens)
+        new = max(0, total - len(held) - len(new_computed_blocks))
+        # a cached hit that sits in the free queue is taken out of it by touch()
+        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return new + evictable_hits + self._num_cow_needed(request, num_new_tokens)
+
+    def _num_cow_needed(self, request: Request, num_new_tokens: int) -> int:
+        held = self.req_to_blocks.get(request.request_id)
+        if not held or num_new_tokens == 0 or request.num_computed_tokens % self.block_size == 0:
+            return 0
+        last = held[request.num_computed_tokens // self.block_size]
+        return 1 if last.ref_cnt > 1 else 0
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = (), cache: bool = True
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``; ``None`` when blocks are short.
+
+        ``new_computed_blocks`` are prefix-cache hits (from ``get_computed_blocks``) taken now.
+        Full blocks are registered in the prefix cache as soon as they are scheduled (the step that
+        fills them runs before anyone can read them). ``cache=False`` defers that to ``cache_blocks``
+        (KV that arrives over the wire is not there yet).
+        """
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+            return None
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if new_computed_blocks:
+            self.block_pool.touch(list(new_computed_blocks))
+            blocks.extend(new_computed_blocks)
+            self.num_cached_block[request.request_id] = len(blocks)
+        self._copy_on_write(request, blocks, num_new_tokens)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = self.num_blocks_needed(num_computed + num_new_tokens)
+        new_blocks = self.block_pool.get_new_blocks(max(0, total - len(blocks)))
+        blocks.extend(new_blocks)
+        if cache:
+            self.cache_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that ``num_tokens`` computed tokens fill in the prefix cache."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_block.get(request.request_id, 0)
+        if num_full > start:
+            hashes = request.update_block_hashes(self.block_size)
+            self.block_pool.cache_full_blocks(self.req_to_blocks[request.request_id], hashes, start, num_full)
+            self.num_cached_block[request.request_id] = num_full
+
+    def _copy_on_write(self, request: Request, blocks: list[KVCacheBlock], num_new_tokens: int) -> None:
+        if not self._num_cow_needed(request, num_new_tokens):
+            return
+        i = request.num_computed_tokens // self.block_size
+        shared = blocks[i]
+        (copy,) = self.block_pool.get_new_blocks(1)
+        self.pending_copies.append((shared.block_id, copy.block_id))
+        self.block_pool.free_blocks([shared])
+        blocks[i] = copy
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's blocks (shared, reference-counted; copied on first write)."""
+        blocks = self.req_to_blocks[parent.request_id]
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_block[child.request_id] = self.num_cached_block.get(parent.request_id, 0)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (tails are evicted before heads)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_pool.num_blocks - 1 - self.block_pool.get_num_free_blocks()

@@ -1,0 +1,433 @@
+"""The engine: requests in, one continuous-batching step at a time, outputs out.
+
+``LLMEngine`` owns the model, the KV cache, the scheduler and the sampler, and is driven by one
+thread (the offline ``LLM`` loop, or a worker's engine thread). Besides the usual
+``add_request`` / ``step`` / ``abort_request``, it has the disaggregation hooks the prefill and decode
+workers use: a *prefill-only* request parks after its first token with its blocks held for export;
+a decode pod *reserves* blocks for an incoming request, receives its KV, and *commits* it into the
+running batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.detokenizer import IncrementalDetokenizer, check_stop_token
+from pdserve.shared.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.shared.engine.kv_cache_manager import KVCacheManager
+from pdserve.shared.engine.model_runner import ModelRunner
+from pdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pdserve.shared.engine.request import FINISH_REASONS, Request, RequestStatus
+from pdserve.shared.engine.sampler import Sampler, SamplingMetadata
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.engine.scheduler import Scheduler
+from pdserve.shared.engine.swap import SwapManager
+from pdserve.shared.models.loader import load_config, load_model
+from pdserve.shared.models.resolve import resolve_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class RequestRejected(ValueError):
+    """A request that cannot be served (bad prompt, too long, can never fit). ``param`` names the input."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _attention_backend(name: str, device: str):
+    from pdserve.kernels.backend import get_attention_backend
+
+    return get_attention_backend(name, device)
+
+
+class _Group:
+    """The ``n`` completions of one user request (n > 1 forks children after the prefill)."""
+
+    __slots__ = ("request_id", "prompt", "params", "members", "detoks", "new", "num_cached_tokens")
+
+    def __init__(self, request_id, prompt, params) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.members: list[Request] = []
+        self.detoks: list[IncrementalDetokenizer] = []
+        self.new: dict[int, list[int]] = {}
+        self.num_cached_tokens = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        model_dir = resolve_model(config.model)
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model_config = load_config(model_dir)
+        mc = self.model_config
+        device = config.device
+        if config.dtype == "auto":
+            self.dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+        torch.manual_seed(config.seed)
+        self.backend = _attention_backend(config.attention_backend, device)
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.kv_spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, config.block_size, self.dtype)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            num_blocks = 1 + self.kv_spec.num_blocks_for(config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
+                             f"({self.kv_spec.bytes_per_block} bytes each)")
+        capacity = (num_blocks - 1) * config.block_size
+        model_max = int(getattr(mc, "max_position_embeddings", capacity))
+        if config.max_model_len is None:
+            self.max_model_len = min(model_max, capacity)
+        else:
+            if config.max_model_len > model_max:
+                raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings={model_max}")
+            if config.max_model_len > capacity:
+                raise ValueError(f"max_model_len={config.max_model_len} does not fit in the KV cache "
+                                 f"({num_blocks - 1} blocks x {config.block_size} = {capacity} tokens); "
+                                 "raise kv_cache_memory_bytes or lower max_model_len")
+            self.max_model_len = config.max_model_len
+        self.model = load_model(model_dir, mc, self.backend, self.dtype, device, self.max_model_len)
+        num_cpu_blocks = 0
+        if config.preemption_mode == "swap":
+            num_cpu_blocks = self.kv_spec.num_blocks_for(config.swap_space_bytes)
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, num_cpu_blocks, device)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                         config.enable_kv_events)
+        swap = SwapManager(self.kv_manager, num_cpu_blocks) if num_cpu_blocks else None
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.scheduling_policy, config.preemption_mode, swap)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, device)
+        self.sampler = Sampler()
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = self._eos_ids()
+        self.groups: dict[str, _Group] = {}
+        self.parked: dict[str, Request] = {}  # prefill-only requests holding blocks for export
+        self.reserved: dict[str, Request] = {}  # decode side: blocks reserved for incoming KV
+        self.stats = {"prompt_tokens_computed": 0, "generation_tokens": 0, "peak_kv_blocks_used": 0,
+                      "peak_kv_tokens_live": 0, "num_steps": 0}
+        logger.info("engine ready: %s %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, backend %s",
+                    mc.model_type, str(self.dtype).removeprefix("torch."), num_blocks - 1, config.block_size,
+                    num_blocks * self.kv_spec.bytes_per_block / 2**20, self.max_model_len,
+                    type(self.backend).__name__)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for source in (getattr(self.model_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+            ids.update([gen] if isinstance(gen, int) else gen or [])
+        except OSError:
+            pass
+        return frozenset(ids)
+
+    # requests
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a prompt against this engine; returns the effective ``max_tokens``.
+
+        Raises ``RequestRejected`` (a ``ValueError``) naming the parameter: empty prompt, token ids
+        outside the vocabulary, prompt (+ ``max_tokens``) beyond ``max_model_len``. Messages follow
+        vLLM's wording so clients that parse them keep working.
+        """
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestRejected("The prompt cannot be empty.", "prompt")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).", "prompt")
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"has {n} tokens, which leaves no room for output.", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). Please reduce "
+                "the length of the prompt or the completion.", "max_tokens")
+        return max_tokens
+
+    def _new_request(self, request_id, prompt_token_ids, params, max_tokens, arrival_time, priority, cache_salt,
+                     index=0, parent_id=None, prefill_only=False) -> Request:
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = torch.Generator().manual_seed(params.seed + index)
+        return Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, arrival_time,
+                       priority, cache_salt, generator, index, parent_id, prefill_only)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request. Raises ``RequestRejected`` when it can never be served, ``ValueError`` on a
+        duplicate id. ``prefill_only``: stop after the first token and keep the blocks (``export_kv``)."""
+        params = params or SamplingParams()
+        if request_id in self.groups or request_id in self.reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.validate_prompt(prompt_token_ids, params)
+        request = self._new_request(request_id, prompt_token_ids, params, max_tokens, arrival_time, priority,
+                                    cache_salt, prefill_only=prefill_only)
+        group = _Group(request_id, prompt, params)
+        self._add_member(group, request)
+        self.groups[request_id] = group
+        self.scheduler.add_request(request)
+
+    def _add_member(self, group: _Group, request: Request) -> None:
+        group.members.append(request)
+        group.detoks.append(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and release everything it holds. Returns whether it existed."""
+        found = False
+        if request_id in self.reserved:
+            self.release_reservation(request_id)
+            found = True
+        if request_id in self.parked:
+            self.release_parked(request_id)
+            found = True
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            for request in group.members:
+                if not request.is_finished:
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            found = True
+        return found
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return outputs for every request that progressed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        for request, n in out.scheduled:
+            self.stats["prompt_tokens_computed"] += max(0, min(request.num_computed_tokens + n,
+                                                              request.num_prompt_tokens) - request.num_computed_tokens)
+        logits = self.runner.execute_model(out)
+        sampling = self.scheduler.update_after_step(out)
+        self._track_peaks()
+        if not sampling:
+            return []
+        rows = list(range(len(sampling)))
+        # n > 1: fork the children once the parent's prompt is computed; they sample from its logits row
+        for row, request in enumerate(list(sampling)):
+            if request.sampling_params.n > 1 and request.num_output_tokens == 0 and request.parent_id is None:
+                for child in self._fork(request):
+                    sampling.append(child)
+                    rows.append(row)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows)]
+        md = SamplingMetadata.from_requests(
+            [r.sampling_params for r in sampling], [r.prompt_token_ids for r in sampling],
+            [r.output_token_ids for r in sampling], [r.generator for r in sampling], self.eos_token_ids,
+            self.vocab_size)
+        result = self.sampler(logits, md)
+        now = time.time()
+        touched: dict[str, _Group] = {}
+        for request, token, lp in zip(sampling, result.sampled_token_ids, result.logprobs):
+            self._append_token(request, token, lp, now)
+            group = self.groups.get(request.parent_id or request.request_id)
+            if group is not None:
+                touched[group.request_id] = group
+        return [self._make_output(g) for g in touched.values()]
+
+    def _fork(self, parent: Request) -> list[Request]:
+        group = self.groups[parent.request_id]
+        children = []
+        for i in range(1, parent.sampling_params.n):
+            child = self._new_request(f"{parent.request_id}#{i}", parent.prompt_token_ids, parent.sampling_params,
+                                      parent.max_tokens, parent.arrival_time, parent.priority, parent.cache_salt,
+                                      index=i, parent_id=parent.request_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.kv_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+            self._add_member(group, child)
+            children.append(child)
+        return children
+
+    def _append_token(self, request: Request, token: int, lp, now: float) -> None:
+        request.append_output_token(token)
+        self.stats["generation_tokens"] += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if lp is not None and request.logprobs is not None:
+            entry = {tid: Logprob(val, rank + 1) for rank, (tid, val) in enumerate(lp.top)}
+            entry[token] = Logprob(lp.logprob, lp.rank)
+            request.logprobs.append(entry)
+            request.cumulative_logprob += lp.logprob
+        group = self.groups.get(request.parent_id or request.request_id)
+        group.new.setdefault(request.index, []).append(token)
+        params = request.sampling_params
+        reason = check_stop_token(token, params, self.eos_token_ids, request.num_output_tokens)
+        if reason is None and (request.num_output_tokens >= request.max_tokens
+                               or request.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason == "stop" and token in params.stop_token_ids:
+            request.stop_reason = token
+        stop_str = group.detoks[request.index].update([token], stop_terminated=reason == "stop")
+        if reason is None and stop_str is not None:
+            reason, request.stop_reason = "stop", stop_str
+        if reason is not None:
+            status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+            self.scheduler.finish_request(request, status)
+        elif request.prefill_only:
+            self._park(request)
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outputs = []
+        for request, detok in zip(group.members, group.detoks):
+            finished = request.is_finished
+            new_ids = group.new.pop(request.index, [])
+            new_text = detok.get_next_output_text(finished, delta=True)
+            outputs.append(CompletionOutput(
+                index=request.index, text=detok.output_text, token_ids=request.output_token_ids,
+                cumulative_logprob=request.cumulative_logprob, logprobs=request.logprobs,
+                finish_reason=FINISH_REASONS.get(request.status), stop_reason=request.stop_reason,
+                new_text=new_text, new_token_ids=new_ids))
+        first = group.members[0]
+        done = all(r.is_finished for r in group.members) and len(group.members) == group.params.n
+        if done:
+            self.groups.pop(group.request_id, None)
+        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outputs, done,
+                             num_cached_tokens=max(first.num_cached_tokens, 0),
+                             metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
+                                      "num_preemptions": first.num_preemptions})
+
+    def _track_peaks(self) -> None:
+        used = self.kv_manager.num_used_blocks
+        live = sum(r.num_computed_tokens for r in self.scheduler.running)
+        if used > self.stats["peak_kv_blocks_used"]:
+            self.stats["peak_kv_blocks_used"] = used
+        if live > self.stats["peak_kv_tokens_live"]:
+            self.stats["peak_kv_tokens_live"] = live
+        self.stats["num_steps"] += 1
+
+    # disaggregation: prefill side
+    def _park(self, request: Request) -> None:
+        self.scheduler.running.remove(request)
+        self.scheduler.requests.pop(request.request_id, None)
+        self.parked[request.request_id] = request
+
+    def export_kv(self, request_id: str, first_block: int = 0) -> tuple[list[str], torch.Tensor]:
+        """KV of a parked request's prompt: (hex block hashes of its full blocks,
+        ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` for blocks ``first_block:``)."""
+        request = self.parked[request_id]
+        ids = self.kv_manager.get_block_ids(request_id)[: -(-request.num_prompt_tokens // self.kv_spec.block_size)]
+        hashes = [h.hex() for h in request.update_block_hashes(self.kv_spec.block_size)]
+        return hashes[: request.num_prompt_tokens // self.kv_spec.block_size], self.kv_cache.read_blocks(ids[first_block:])
+
+    def release_parked(self, request_id: str) -> None:
+        request = self.parked.pop(request_id, None)
+        if request is not None:
+            request.status = RequestStatus.FINISHED_STOPPED
+            self.kv_manager.free(request)
+            self.groups.pop(request_id, None)
+
+    # disaggregation: decode side
+    def reserve(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> tuple[int, int] | None:
+        """Reserve blocks for a prompt whose KV will arrive over the wire.
+
+        Returns ``(num_blocks, num_cached_blocks)``: the leading ``num_cached_blocks`` are prefix-cache
+        hits already here (the sender skips them); ``None`` when the pool is short right now.
+        The blocks enter the prefix cache only at ``commit`` (their content is not here before).
+        """
+        if request_id in self.reserved or request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = self._new_request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), 1, None, 0, cache_salt)
+        computed, num_computed = self.kv_manager.get_computed_blocks(request)
+        if self.kv_manager.allocate_slots(request, request.num_tokens - num_computed, computed, cache=False) is None:
+            return None
+        request.num_cached_tokens = num_computed
+        self.reserved[request_id] = request
+        return len(self.kv_manager.req_to_blocks[request_id]), len(computed)
+
+    def write_kv(self, request_id: str, first_block: int, data: torch.Tensor) -> None:
+        """Copy received blocks ``[n, layers, 2, block_size, kv_heads, head_dim]`` into the reservation."""
+        ids = self.kv_manager.get_block_ids(request_id)
+        if first_block < 0 or first_block + data.shape[0] > len(ids):
+            raise ValueError(f"blocks {first_block}..{first_block + data.shape[0]} outside the reservation of {len(ids)}")
+        self.kv_cache.write_blocks(ids[first_block : first_block + data.shape[0]], data)
+
+    def commit(self, request_id: str, first_token_id: int, params: SamplingParams, *, arrival_time: float | None = None,
+               priority: int = 0, prompt: str | None = None) -> None:
+        """The reserved request's KV is complete: it joins the running batch with its first token."""
+        reserved = self.reserved.pop(request_id)
+        try:
+            max_tokens = self.validate_prompt(reserved.prompt_token_ids, params)
+        except ValueError:
+            self.kv_manager.free(reserved)
+            raise
+        request = self._new_request(request_id, reserved.prompt_token_ids, params, max_tokens, arrival_time, priority,
+                                    reserved.cache_salt)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = reserved.num_cached_tokens
+        self.kv_manager.cache_blocks(request, request.num_prompt_tokens)
+        group = _Group(request_id, prompt, params)
+        self._add_member(group, request)
+        self.groups[request_id] = group
+        self.scheduler.add_running(request)
+        self._append_token(request, first_token_id, None, time.time())
+        group.new.pop(0, None)
+        group.detoks[0].get_next_output_text(request.is_finished, delta=True)  # the prefill pod sent it already
+
+    def release_reservation(self, request_id: str) -> None:
+        request = self.reserved.pop(request_id, None)
+        if request is not None:
+            self.kv_manager.free(request)
+
+    # stats
+    def get_stats(self) -> dict:
+        kv = self.kv_manager
+        live = sum(r.num_computed_tokens for r in self.scheduler.running)
+        return {
+            "kv_blocks_total": kv.block_pool.num_blocks - 1,
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_cache_usage": kv.usage,
+            "kv_tokens_live": live,
+            "peak_kv_blocks_used": self.stats["peak_kv_blocks_used"],
+            "peak_kv_tokens_live": self.stats["peak_kv_tokens_live"],
+            "prefix_cache_queries": kv.prefix_cache_stats.queries,
+            "prefix_cache_hits": kv.prefix_cache_stats.hits,
+            "prompt_tokens_computed": self.stats["prompt_tokens_computed"],
+            "generation_tokens": self.stats["generation_tokens"],
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": self.scheduler.num_waiting,
+            "num_steps": self.stats["num_steps"],
+            "block_size": self.kv_spec.block_size,
+            "max_model_len": self.max_model_len,
+        }

@@ -1,0 +1,120 @@
+"""A request inside the engine: its tokens, how many are computed, and where it stands."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from pdserve.shared.engine.block_hash import BlockHash, compute_block_hashes
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.shared.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # recompute: blocks freed, num_computed_tokens reset
+    SWAPPED = 3  # swap: blocks copied to the CPU pool
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence. vLLM v1's rule: ``num_computed_tokens`` catches up with ``num_tokens``.
+
+    ``all_token_ids`` = prompt + output. A step schedules ``num_tokens - num_computed_tokens`` tokens
+    (or a chunk of them); when they are all computed, the step samples the next token. Prefill,
+    chunked prefill, prefix hits and recompute after preemption are the same rule.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "all_token_ids", "sampling_params", "arrival_time", "priority",
+        "cache_salt", "eos_token_ids", "num_computed_tokens", "status", "block_hashes", "num_cached_tokens",
+        "generator", "max_tokens", "stop_reason", "num_preemptions", "parent_id", "index", "prefill_only",
+        "first_token_time", "logprobs", "cumulative_logprob",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        generator: torch.Generator | None = None,
+        index: int = 0,
+        parent_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.generator = generator
+        self.index = index
+        self.parent_id = parent_id
+        self.prefill_only = prefill_only
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[BlockHash] = []
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.first_token_time: float | None = None
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of every full block of ``all_token_ids`` (computed incrementally)."""
+        return compute_block_hashes(self.all_token_ids, block_size, self.cache_salt, self.block_hashes)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,223 @@
+"""Iteration-level scheduler (continuous batching) with one token budget per step.
+
+The rule is vLLM v1's: every request's ``num_computed_tokens`` catches up with its ``num_tokens``;
+a step gives each running request (decodes first) and then waiting requests (prefills, in chunks
+when the budget is short) as many tokens as the budget ``max_num_batched_tokens`` allows, up to
+``max_num_seqs`` requests. When blocks run out, the scheduler preempts a victim chosen by policy
+(``fcfs``: the latest arrival; ``priority``: the largest ``(priority, arrival_time)``) by recompute
+(free its blocks; it rejoins the front of the queue) or by swap (copy its blocks to the CPU pool).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.shared.engine.kv_cache_manager import KVCacheManager
+from pdserve.shared.engine.request import Request, RequestStatus
+from pdserve.shared.engine.swap import SwapManager
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs: per request, how many of its tokens to compute, in batch order."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on ``(priority, arrival_time)`` for the priority policy."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fcfs: deque[Request] = deque()
+        self._heap: list = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fcfs) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self):
+        return iter(self._fcfs) if self.policy == "fcfs" else (e[-1] for e in sorted(self._heap))
+
+    def add(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fcfs.append(request)
+        else:
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+
+    def add_front(self, request: Request) -> None:
+        """A preempted request goes back first (FCFS) or by its own rank (priority)."""
+        if self.policy == "fcfs":
+            self._fcfs.appendleft(request)
+        else:
+            self.add(request)
+
+    def peek(self) -> Request:
+        return self._fcfs[0] if self.policy == "fcfs" else self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return self._fcfs.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fcfs.remove(request)
+        else:
+            self._heap = [e for e in self._heap if e[-1] is not request]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+        preemption_mode: str = "recompute",
+        swap_manager: SwapManager | None = None,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.preemption_mode = preemption_mode
+        self.swap = swap_manager
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def add_running(self, request: Request) -> None:
+        """A request whose blocks are already allocated (KV received, or a fork) joins the batch."""
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # running requests (decodes and unfinished prefill chunks) first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.can_allocate(request, num_new):
+                victim = self._pick_victim(exclude=scheduled_ids)
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                self.kv.allocate_slots(request, num_new)
+                out.scheduled.append((request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            # the request preempted itself; the list shifted, stay at index i
+
+        # waiting requests (new prefills, recomputes, swap-ins), only when nothing was preempted
+        while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if request.status == RequestStatus.SWAPPED:
+                if not self._swap_in(request, out):
+                    break
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                self.kv.allocate_slots(request, num_new)  # the swapped-in blocks cover all but new slots
+            else:
+                computed, num_computed = self.kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_computed, budget)
+                if self.kv.allocate_slots(request, num_new, computed) is None:
+                    break
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed
+                request.num_computed_tokens = num_computed
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        return out
+
+    def _pick_victim(self, exclude: set[str]) -> Request:
+        # never a request already scheduled this step; the one asking for blocks is always a candidate
+        candidates = [r for r in self.running if r.request_id not in exclude]
+        if self.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        if self.preemption_mode == "swap" and self.swap is not None and self.swap.can_swap_out(request):
+            out.blocks_to_swap_out.extend(self.swap.swap_out(request))
+            request.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+        out.preempted.append(request)
+        self.waiting.add_front(request)
+
+    def _swap_in(self, request: Request, out: SchedulerOutput) -> bool:
+        if not self.swap.can_swap_in(request):
+            return False
+        out.blocks_to_swap_in.extend(self.swap.swap_in(request))
+        return True
+
+    def update_after_step(self, out: SchedulerOutput) -> list[Request]:
+        """Advance ``num_computed_tokens``; return the requests that now sample a token, in batch order."""
+        sampling = []
+        for request, n in out.scheduled:
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens:
+                sampling.append(request)
+        return sampling
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and release everything it holds (blocks, swap blocks, queue slot)."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.is_finished:
+            self.waiting.remove(request)
+        if request.status == RequestStatus.SWAPPED and self.swap is not None:
+            self.swap.free(request)
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)

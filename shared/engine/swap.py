@@ -1,0 +1,48 @@
+"""Bookkeeping for preemption by swap: a CPU block pool that holds a preempted request's KV.
+
+vLLM v0's ``swap`` preemption mode: the victim's blocks are copied to host memory and its device
+blocks freed; on resume, fresh device blocks are allocated and the data copied back. The copies
+themselves are done by ``KVCache`` before the step's forward pass (swap-out, then swap-in).
+"""
+
+from __future__ import annotations
+
+from pdserve.shared.engine.kv_cache_manager import KVCacheManager
+from pdserve.shared.engine.request import Request
+
+
+class SwapManager:
+    def __init__(self, kv: KVCacheManager, num_cpu_blocks: int) -> None:
+        self.kv = kv
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_blocks = list(range(num_cpu_blocks - 1, -1, -1))
+        self.req_to_cpu_blocks: dict[str, list[int]] = {}
+
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.kv.req_to_blocks.get(request.request_id, ())) <= len(self.free_cpu_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        device_ids = self.kv.get_block_ids(request.request_id)
+        cpu_ids = [self.free_cpu_blocks.pop() for _ in device_ids]
+        self.req_to_cpu_blocks[request.request_id] = cpu_ids
+        self.kv.free(request)
+        return list(zip(device_ids, cpu_ids))
+
+    def can_swap_in(self, request: Request) -> bool:
+        # +1: the step that resumes it usually needs one more slot
+        return len(self.req_to_cpu_blocks[request.request_id]) + 1 <= self.kv.block_pool.get_num_free_blocks()
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        cpu_ids = self.req_to_cpu_blocks.pop(request.request_id)
+        blocks = self.kv.block_pool.get_new_blocks(len(cpu_ids))
+        self.kv.req_to_blocks[request.request_id] = blocks
+        self.kv.num_cached_block[request.request_id] = 0  # re-registered in the prefix cache as they are
+        self.free_cpu_blocks.extend(reversed(cpu_ids))
+        return list(zip(cpu_ids, [b.block_id for b in blocks]))
+
+    def free(self, request: Request) -> None:
+        self.free_cpu_blocks.extend(reversed(self.req_to_cpu_blocks.pop(request.request_id, [])))
+
+    @property
+    def num_used_cpu_blocks(self) -> int:
+        return self.num_cpu_blocks - len(self.free_cpu_blocks)

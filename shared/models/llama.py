@@ -1,0 +1,125 @@
+"""Llama-family forward pass over a paged KV cache (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+The math is Hugging Face transformers' ``LlamaForCausalLM`` (RMSNorm in fp32, rotate-half RoPE from
+transformers' own rotary module, SiLU-gated MLP), restructured the vLLM way: the batch is a flat list
+of ``num_tokens`` tokens from many sequences, Q/K/V and gate/up projections are fused into one matmul
+each, every layer writes its new K/V into the paged cache and attends through the block tables.
+Qwen2's Q/K/V bias is supported; Mistral's sliding window is not (full attention is used).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels.attention_metadata import AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, backend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, x, cos, sin, k_cache, v_cache, md: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        self.backend.reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        o = self.backend.forward(q, k_cache, v_cache, md, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, backend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, md):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T] int64, positions [T] int64, kv_caches, md) -> hidden [T, hidden_size].
+
+    ``kv_caches[l]`` is layer ``l``'s ``(k_cache, v_cache)``, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``. ``compute_logits(hidden [R, hidden_size])``
+    returns ``[R, vocab_size]`` float32; the runner calls it only on the rows that sample.
+    """
+
+    def __init__(self, config, backend, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+
+    def init_rope(self, dtype: torch.dtype) -> None:
+        """Precompute cos/sin for every position with transformers' rotary module (all RoPE types)."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(self.config)
+        pos = torch.arange(self.max_positions)[None]
+        cos, sin = rotary(torch.empty(0, dtype=dtype), pos)
+        self.cos_sin = torch.stack([cos[0], sin[0]]).to(self.embed_tokens.weight.device)
+
+    def forward(self, input_ids, positions, kv_caches, md: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos = self.cos_sin[0, positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.cos_sin[1, positions].unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, md)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
