@@ -1,0 +1,151 @@
+"""The decode worker: a KV-transfer server feeding a continuous-batching engine.
+
+Requests arrive two ways: over KV transfer from a prefill pod (reserve -> blocks -> commit; they join
+the running batch with their first token already sampled), or on the pod's own Redis stream
+``pdserve:decode:{pod_id}`` when the router decided this pod prefills them itself (no prefill tier
+alive, ``--colocated``, or a short uncached suffix). Every token goes to the request's output stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redis.exceptions import ResponseError
+
+from pdserve.shared.engine.llm_engine import RequestRejected
+from pdserve.shared.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.messages import MessageError, PrefillRequest
+from pdserve.shared.transport.frames import Commit, CommitReply, Reserve, ReserveReply
+from pdserve.shared.transport.server import KVTransferServer
+from pdserve.shared.worker.base import Worker
+from pdserve.shared.worker.events import error_event, publish
+from pdserve.shared.worker.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeSettings(WorkerSettings):
+    port: int = 8003
+    kv_port: int = 9000
+    colocated: bool = False
+    lease_ttl_s: float = 30.0
+
+
+class DecodeReceiver:
+    """``KVReceiver`` for the transfer server: every call runs on the engine thread."""
+
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+        self.layout = worker.kv_layout()
+
+    async def reserve(self, msg: Reserve) -> ReserveReply:
+        w = self.worker
+        if len(msg.prompt_token_ids) != msg.num_tokens:
+            return ReserveReply(ok=False, error=f"num_tokens {msg.num_tokens} != {len(msg.prompt_token_ids)} prompt tokens")
+        result = await w.engine_thread.acall(w.engine.reserve, msg.request_id, msg.prompt_token_ids, msg.cache_salt)
+        if result is None:
+            return ReserveReply(ok=False, error="no free KV blocks on this decode pod right now")
+        _, num_cached = result
+        return ReserveReply(ok=True, num_cached_blocks=num_cached)
+
+    async def receive_blocks(self, request_id: str, first_block_index: int, blocks) -> None:
+        w = self.worker
+        await w.engine_thread.acall(w.engine.write_kv, request_id, first_block_index, blocks)
+        w.metrics.kv_transfer_bytes.inc(blocks.numel() * blocks.element_size())
+        w.metrics.kv_transfer_blocks.inc(blocks.shape[0])
+
+    async def commit(self, msg: Commit) -> CommitReply:
+        w = self.worker
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+        except (SamplingParamsError, TypeError, ValueError) as exc:
+            return CommitReply(ok=False, error=f"bad sampling_params: {exc}")
+        if await w.is_aborted(msg.request_id):
+            return CommitReply(ok=False, error="request was aborted")
+        w.requests[msg.request_id] = {"arrival_time": msg.arrival_time, "num_logprobs": params.logprobs,
+                                      "sent_first": True, "last": time.time()}
+        try:
+            await w.engine_thread.acall(w.engine.commit, msg.request_id, msg.first_token_id, params,
+                                        arrival_time=msg.arrival_time)
+        except ValueError as exc:
+            w.requests.pop(msg.request_id, None)
+            return CommitReply(ok=False, error=str(exc))
+        return CommitReply(ok=True)
+
+    async def release(self, request_id: str) -> None:
+        w = self.worker
+        await w.engine_thread.acall(w.engine.release_reservation, request_id)
+
+
+class DecodeWorker(Worker):
+    role = "decode"
+
+    def __init__(self, settings: DecodeSettings) -> None:
+        super().__init__(settings)
+        self.kv_port = settings.kv_port
+        self.colocated = settings.colocated
+        self.kv_server: KVTransferServer | None = None
+
+    async def start_role(self) -> None:
+        s = self.settings
+        self.kv_server = KVTransferServer(DecodeReceiver(self), s.kv_transfer_secret, s.host, s.kv_port,
+                                          lease_ttl_s=s.lease_ttl_s)
+        await self.kv_server.start()
+        self.kv_port = self.kv_server.port
+        self.tasks.append(asyncio.create_task(self._consume_local()))
+
+    async def stop(self) -> None:
+        if self.kv_server is not None:
+            await self.kv_server.stop()
+        await super().stop()
+
+    async def _consume_local(self) -> None:
+        """Requests this pod prefills itself, from its own stream."""
+        stream = keys.decode_stream(self.settings.pod_id)
+        try:
+            await self.redis.xgroup_create(stream, keys.DECODE_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        while True:
+            try:
+                entries = await self.redis.xreadgroup(keys.DECODE_GROUP, self.settings.pod_id, {stream: ">"},
+                                                      count=32, block=1000)
+            except (ConnectionError, OSError) as exc:
+                logger.warning("reading %s failed (%s); retrying", stream, exc)
+                await asyncio.sleep(1.0)
+                continue
+            for _, messages in entries or []:
+                for msg_id, fields in messages:
+                    await self._admit(fields)
+                    await self.redis.xack(stream, keys.DECODE_GROUP, msg_id)
+                    await self.redis.xdel(stream, msg_id)
+
+    async def _admit(self, fields) -> None:
+        try:
+            req = PrefillRequest.decode(fields)
+        except MessageError as exc:
+            logger.error("dropping malformed queue entry: %s", exc)
+            return
+        if await self.is_aborted(req.request_id):
+            return
+        try:
+            params = SamplingParams.from_dict(req.sampling_params)
+            self.requests[req.request_id] = {"arrival_time": req.arrival_time, "num_logprobs": params.logprobs}
+            await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
+                                           arrival_time=req.arrival_time, priority=req.priority,
+                                           cache_salt=req.cache_salt)
+        except (RequestRejected, SamplingParamsError, ValueError, TypeError) as exc:
+            self.requests.pop(req.request_id, None)
+            self.metrics.requests_failed.inc()
+            await publish(self.redis, [error_event(req.request_id, str(exc), 400, "BadRequestError")])
+
+    def worker_stats(self) -> dict:
+        stats = super().worker_stats()
+        if self.kv_server is not None:
+            stats.update(kv_active_leases=self.kv_server.active_leases, kv_bytes_received=self.kv_server.bytes_received,
+                         kv_blocks_received=self.kv_server.blocks_received)
+        return stats

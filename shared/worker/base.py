@@ -1,0 +1,223 @@
+"""What prefill and decode workers share: the engine thread, Redis, the registry heartbeat, the HTTP
+side (``/health``, ``/metrics``, ``/v1/stats``), aborts, and publishing outputs.
+
+A worker is one asyncio process: uvicorn serves the HTTP app on the same loop as the worker's tasks;
+the engine runs on its own thread (``EngineThread``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.shared.engine.engine_thread import EngineThread
+from pdserve.shared.engine.llm_engine import LLMEngine
+from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.registry import Heartbeater, PodInfo, RegistryClient
+from pdserve.shared.transport.layout import KVLayout
+from pdserve.shared.worker.events import OutputEvent, publish, to_event
+from pdserve.shared.worker.metrics import WorkerMetrics
+from pdserve.shared.worker.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    role = "decode"
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.metrics = WorkerMetrics(self.role, settings.pod_id)
+        self.engine: LLMEngine | None = None
+        self.engine_thread: EngineThread | None = None
+        self.redis = aioredis.from_url(settings.redis_url)
+        self.registry = RegistryClient(settings.registry_url)
+        self.heartbeater: Heartbeater | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stats: dict = {}
+        self.tasks: list[asyncio.Task] = []
+        self.ready = False
+        self.requests: dict[str, dict] = {}  # request id -> bookkeeping (arrival, last event time, logprobs)
+        self._outputs: asyncio.Queue = asyncio.Queue()
+
+    # lifecycle
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.engine = await asyncio.to_thread(LLMEngine, self.settings.engine_config())
+        self.stats = self.engine.get_stats()
+        self.engine_thread = EngineThread(self.engine, self._on_outputs, name=f"{self.role}-engine")
+        self.engine_thread.start()
+        await self.start_role()
+        self.tasks += [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._abort_loop())]
+        self.heartbeater = Heartbeater(self.registry, self.pod_info, self.settings.heartbeat_interval_s)
+        self.heartbeater.start()
+        self.ready = True
+        logger.info("%s worker %s ready", self.role, self.settings.pod_id)
+
+    async def start_role(self) -> None:
+        """Role-specific tasks (queue consumers, the KV-transfer server)."""
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self.heartbeater is not None:
+            await self.heartbeater.stop()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.engine_thread is not None:
+            await asyncio.to_thread(self.engine_thread.stop)
+        await self.registry.aclose()
+        await self.redis.aclose()
+
+    # engine
+    def kv_layout(self) -> KVLayout:
+        spec = self.engine.kv_spec
+        return KVLayout(spec.block_size, str(spec.dtype).removeprefix("torch."), spec.num_layers, spec.num_kv_heads,
+                        spec.head_dim, self.settings.model)
+
+    def _on_outputs(self, outputs) -> None:
+        # engine thread: take a stats snapshot with the outputs, hand both to the loop
+        stats = self.engine.get_stats()
+        extra = self.on_outputs_engine_thread(outputs)
+        self.loop.call_soon_threadsafe(self._outputs.put_nowait, (outputs, stats, extra))
+
+    def on_outputs_engine_thread(self, outputs) -> object:
+        """Hook for work that must happen on the engine thread right after a step."""
+        return None
+
+    async def _publish_loop(self) -> None:
+        while True:
+            outputs, stats, extra = await self._outputs.get()
+            self.stats = stats
+            self.metrics.update_from_stats(stats)
+            try:
+                await self.handle_outputs(outputs, extra)
+            except Exception:
+                logger.exception("publishing outputs failed")
+
+    async def handle_outputs(self, outputs, extra) -> None:
+        await publish(self.redis, self.events_for(outputs))
+
+    def events_for(self, outputs) -> list[OutputEvent]:
+        now = time.time()
+        events = []
+        for out in outputs:
+            info = self.requests.get(out.request_id)
+            if info is None:  # aborted meanwhile
+                continue
+            first = not info.get("sent_first")
+            event = to_event(out, info.get("num_logprobs"), first)
+            events.append(event)
+            if first:
+                self.metrics.ttft.observe(now - info["arrival_time"])
+                info["sent_first"] = True
+            elif "last" in info:
+                self.metrics.itl.observe(now - info["last"])
+            info["last"] = now
+            if event.finished:
+                self.metrics.e2e.observe(now - info["arrival_time"])
+                self.requests.pop(out.request_id, None)
+        return events
+
+    # aborts
+    async def _abort_loop(self) -> None:
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(keys.ABORT_CHANNEL)
+        try:
+            async for message in pubsub.listen():
+                if message.get("type") != "message":
+                    continue
+                request_id = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
+                await self.abort(request_id)
+        finally:
+            await pubsub.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        if self.requests.pop(request_id, None) is not None or request_id in self.engine.reserved:
+            found = await self.engine_thread.acall(self.engine.abort_request, request_id)
+            if found:
+                logger.info("request %s aborted", request_id)
+
+    async def is_aborted(self, request_id: str) -> bool:
+        return bool(await self.redis.exists(keys.aborted_key(request_id)))
+
+    # registry
+    async def pod_info(self) -> PodInfo:
+        if self.engine_thread is not None and self.engine_thread.alive:
+            self.stats = await self.engine_thread.acall(self.engine.get_stats)
+            self.metrics.update_from_stats(self.stats)
+        s = self.stats
+        return PodInfo(
+            pod_id=self.settings.pod_id, role=self.role, host=self.settings.advertise_host,
+            http_port=self.http_port, kv_port=self.kv_port, model=self.settings.model,
+            block_size=s.get("block_size", self.settings.block_size), total_blocks=s.get("kv_blocks_total", 0),
+            free_blocks=s.get("kv_blocks_total", 0) - s.get("kv_blocks_used", 0), num_running=s.get("num_running", 0),
+            num_waiting=s.get("num_waiting", 0), queued_prefill_tokens=self.queued_prefill_tokens(),
+            colocated=self.colocated,
+        )
+
+    http_port = 0
+    kv_port = 0
+    colocated = False
+
+    def queued_prefill_tokens(self) -> int:
+        return 0
+
+    # HTTP
+    def create_app(self) -> FastAPI:
+        app = FastAPI(title=f"pdserve {self.role} worker", docs_url=None, redoc_url=None)
+
+        @app.get("/health")
+        async def health():
+            if not self.ready:
+                return JSONResponse({"status": "starting"}, status_code=503)
+            if not self.engine_thread.alive:
+                return JSONResponse({"status": "engine stopped", "error": repr(self.engine_thread.error)}, status_code=503)
+            try:
+                await asyncio.wait_for(self.redis.ping(), 2.0)
+            except Exception as exc:
+                return JSONResponse({"status": "redis unreachable", "error": str(exc)}, status_code=503)
+            return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+        @app.get("/v1/stats")
+        async def stats():
+            """Engine counters (``LLMEngine.get_stats``) plus the worker's own; internal, for operators and tests."""
+            if self.ready and self.engine_thread.alive:
+                self.stats = await self.engine_thread.acall(self.engine.get_stats)
+            return {**self.stats, **self.worker_stats()}
+
+        return app
+
+    def worker_stats(self) -> dict:
+        return {"pod_id": self.settings.pod_id, "role": self.role, "requests_tracked": len(self.requests)}
+
+
+async def serve(worker: Worker) -> None:
+    """Run the worker and its HTTP app until SIGINT/SIGTERM (uvicorn handles the signals)."""
+    import uvicorn
+
+    settings = worker.settings
+    config = uvicorn.Config(worker.create_app(), host=settings.host, port=settings.port,
+                            log_level=settings.log_level.lower(), access_log=False, lifespan="off")
+    server = uvicorn.Server(config)
+    worker.http_port = settings.port
+    server_task = asyncio.create_task(server.serve())
+    try:
+        start = asyncio.create_task(worker.start())
+        done, _ = await asyncio.wait({start, server_task}, return_when=asyncio.FIRST_COMPLETED)
+        if start in done:
+            start.result()  # raise a failed start
+            await server_task
+        else:
+            start.cancel()
+    finally:
+        await worker.stop()

@@ -1,0 +1,51 @@
+"""Engine outputs -> ``OutputEvent``s on the request's Redis output stream."""
+
+from __future__ import annotations
+
+from pdserve.shared.engine.outputs import RequestOutput
+from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.messages import OutputEvent, TokenLogprob
+
+# An output stream holds at most a request's events; the cap only guards against a runaway writer.
+OUTPUT_STREAM_MAXLEN = 100_000
+
+
+def to_event(out: RequestOutput, num_logprobs: int | None, first: bool) -> OutputEvent:
+    """The step's delta of completion 0 as an event (the router fans n > 1 out into requests)."""
+    c = out.outputs[0]
+    logprobs = None
+    if num_logprobs is not None and c.logprobs is not None and c.new_token_ids:
+        logprobs = []
+        for token_id, entry in zip(c.new_token_ids, c.logprobs[-len(c.new_token_ids):]):
+            top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num_logprobs),
+                         key=lambda item: item[1].rank)
+            logprobs.append(TokenLogprob(token_id, entry[token_id].logprob, [(t, lp.logprob) for t, lp in top]))
+    return OutputEvent(
+        request_id=out.request_id,
+        token_ids=list(c.new_token_ids),
+        text=c.new_text,
+        finish_reason=c.finish_reason,
+        logprobs=logprobs,
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=len(c.token_ids),
+        stop_reason=c.stop_reason,
+        first_token_time=out.metrics.get("first_token_time") if first else None,
+        num_cached_tokens=out.num_cached_tokens,
+    )
+
+
+def error_event(request_id: str, message: str, code: int, type_: str = "ServiceUnavailableError") -> OutputEvent:
+    return OutputEvent(request_id=request_id, error={"message": message, "type": type_, "code": code})
+
+
+async def publish(redis, events: list[OutputEvent]) -> None:
+    """XADD every event to its request's stream in one round trip; a final event arms the stream's TTL."""
+    if not events:
+        return
+    pipe = redis.pipeline(transaction=False)
+    for event in events:
+        stream = keys.output_stream(event.request_id)
+        pipe.xadd(stream, event.encode(), maxlen=OUTPUT_STREAM_MAXLEN, approximate=True)
+        if event.finished:
+            pipe.expire(stream, keys.OUTPUT_TTL_S)
+    await pipe.execute()
