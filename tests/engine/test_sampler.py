@@ -372,3 +372,29 @@ def test_logprobs_are_taken_before_temperature():
     out = Sampler(0)(logits, metadata([SamplingParams(temperature=0.3, logprobs=4)], vocab=4))
     expected = torch.log_softmax(logits[0], -1).tolist()
     assert [v for _, v in out.logprobs[0].top] == pytest.approx(expected, rel=1e-6)
+
+
+def test_penalties_touch_only_their_rows_and_tokens_and_leave_input_alone():
+    torch.manual_seed(6)
+    logits = torch.randn(4, 300) * 2
+    before = logits.clone()
+    params = [
+        SamplingParams(presence_penalty=1.5, repetition_penalty=1.2),  # no output yet
+        SamplingParams(temperature=0.9),
+        SamplingParams(frequency_penalty=0.5, repetition_penalty=0.8),
+        SamplingParams(presence_penalty=-1.0),
+    ]
+    prompts = [[5, 5, 6], [5], [], [7]]
+    outputs = [[], [5, 6], [9, 9, 299], [299, 0, 0]]
+    ours = process_logits(logits, metadata(params, prompts=prompts, outputs=outputs, vocab=300))
+    assert torch.equal(logits, before)
+    expected = logits.clone()
+    for row, p in enumerate(params):
+        seen = set(prompts[row] + outputs[row])
+        for tok in seen:
+            if p.repetition_penalty != 1.0:
+                x = expected[row, tok]
+                expected[row, tok] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for tok in set(outputs[row]):
+            expected[row, tok] -= p.frequency_penalty * outputs[row].count(tok) + p.presence_penalty
+    torch.testing.assert_close(ours, expected)
