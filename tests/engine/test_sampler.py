@@ -100,12 +100,14 @@ WARPER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("scale", [0.5, 3.0, 10.0], ids=["flat", "medium", "peaked"])
+@pytest.mark.parametrize("scale", [0.5, 3.0, 10.0, None], ids=["flat", "medium", "peaked", "mixed"])
 def test_sampling_distribution_equals_hf_warpers(scale):
-    """All cases in one batch (so the vectorised masks must keep rows apart), three logit shapes:
-    flat logits push top-p past its first candidate windows, peaked ones resolve inside them."""
-    torch.manual_seed(int(scale * 10))
-    logits = torch.randn(len(WARPER_CASES), VOCAB) * scale
+    """All cases in one batch (so the vectorised masks must keep rows apart), several logit shapes:
+    flat logits push top-p past its first candidate windows, peaked ones resolve inside them, and
+    "mixed" has rows of both kinds in one batch."""
+    torch.manual_seed(int(scale * 10) if scale else 99)
+    scales = torch.tensor([scale] if scale else [0.5, 3.0, 10.0, 5.0, 1.0]).repeat(len(WARPER_CASES))
+    logits = torch.randn(len(WARPER_CASES), VOCAB) * scales[: len(WARPER_CASES)].unsqueeze(1)
     md = metadata(WARPER_CASES)
     ours = sampling_probs(process_logits(logits, md)[md.random_rows], md)
     for row, p in enumerate(WARPER_CASES):
@@ -130,6 +132,19 @@ def differ_mask(like: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     mask = torch.zeros_like(like, dtype=torch.bool)
     mask[ids] = True
     return mask
+
+
+def test_bfloat16_logits_sample_inside_the_allowed_set():
+    torch.manual_seed(8)
+    params = [SamplingParams(temperature=0.7, top_p=0.8, seed=1), SamplingParams(temperature=1.0, top_k=4),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, min_p=0.2)]
+    logits = (torch.randn(4, VOCAB) * 4).to(torch.bfloat16)
+    md = metadata(params, generators=seeded(params))
+    allowed = sampling_probs(process_logits(logits, md)[md.random_rows], md) > 0
+    out = Sampler(3)(logits, md)
+    assert out.sampled_token_ids[2] == int(logits[2].float().argmax())
+    for i, row in enumerate(md.random_rows):
+        assert allowed[i, out.sampled_token_ids[row]]
 
 
 def test_top_k_larger_than_vocab_keeps_everything():
