@@ -289,7 +289,7 @@ def timings(sizes, dtype, device, block_size, timer, peak) -> list[dict]:
         t_sdpa = timer(lambda: F.scaled_dot_product_attention(q4, k_dense, v_dense, scale=scale, enable_gqa=hkv != h))
         rows.append(_row("decode", shape_name, f"batch {b} x ctx {ctx}, splits {splits}", t_triton, t_ref, t_sdpa,
                          bytes_=kv_bytes, peak=peak))
-        del k_dense, v_dense
+        k_dense = v_dense = None  # free before the next case
 
         # prefill: fresh prompts (causal), then chunks after a cached prefix that ends mid-block
         for label, seqs in (
@@ -312,7 +312,7 @@ def timings(sizes, dtype, device, block_size, timer, peak) -> list[dict]:
             t_sdpa = timer(sdpa)
             rows.append(_row("prefill", shape_name, f"{n} x ({c} cached + {q} new) {label}", t_triton, t_ref, t_sdpa,
                              flops=flops))
-            del k_dense, v_dense
+            k_dense = v_dense = None
 
         # cache write: one step of prefill tokens
         step = make_step([(0, sizes["prefill_len"])] * sizes["prefill_batch"], h, hkv, d, block_size, dtype, device, poison=False)

@@ -12,6 +12,7 @@ if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
 
 import pytest
 
+import pdserve.kernels.triton_paged_attention_prefill  # noqa: F401  (build the kernels for DEVICE now)
 from pdserve.kernels.backend import (
     TorchAttentionBackend,
     TritonAttentionBackend,
