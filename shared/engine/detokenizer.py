@@ -19,7 +19,7 @@ until it cannot match or the request finishes, so nothing returned is ever retra
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from pdserve.shared.engine.sampling_params import SamplingParams
@@ -60,7 +60,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
-        self._decode_fn = _decoder(tokenizer, params)
+        self._decode_fn, self._byte_level = _decoder(tokenizer, params)
         self._stop = params.stop or []
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -160,7 +160,8 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._read_offset = 0, len(ids)
         else:
             self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        self._prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        # Byte-level text splits cleanly at a complete character: the new window decodes to new_text.
+        self._prefix_text = new_text if self._byte_level else self._decode(ids[self._prefix_offset:self._read_offset])
         return new_text
 
     def _finish(self) -> None:
@@ -197,17 +198,19 @@ class IncrementalDetokenizer:
         return held
 
 
-def _decoder(tokenizer: Any, params: SamplingParams):
+def _decoder(tokenizer: Any, params: SamplingParams) -> tuple[Callable[[list[int]], str], bool]:
+    """``decode(ids)`` for this request, and whether the decoder is byte-level (GPT-2 style)."""
     skip = params.skip_special_tokens
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None and type(tokenizer).__module__.startswith("tokenizers"):
         backend = tokenizer
     if backend is not None:
         decode = backend.decode
-        return lambda ids: decode(ids, skip_special_tokens=skip)
+        byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        return (lambda ids: decode(ids, skip_special_tokens=skip)), byte_level
     # Python ("slow") tokenizers.
     spaces = params.spaces_between_special_tokens
-    return lambda ids: tokenizer.decode(
+    return (lambda ids: tokenizer.decode(
         ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces,
         clean_up_tokenization_spaces=False,
-    )
+    )), False
