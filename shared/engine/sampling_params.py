@@ -213,5 +213,15 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
 
+    def for_child(self, index: int) -> SamplingParams:
+        """Params of the ``index``-th of ``n`` parallel samples: ``n=1`` and, when seeded,
+        ``seed + index`` (as vLLM v1's ``ParentRequest``), so seeded siblings differ yet repeat."""
+        child = self.clone()
+        child.n = 1
+        if self.seed is not None:
+            seed = self.seed + index
+            child.seed = seed - 2**64 if seed > _SEED_MAX else seed
+        return child
+
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

@@ -195,3 +195,13 @@ def test_clone_is_deep():
     q.stop.append("b")
     q.stop_token_ids.append(2)
     assert p.stop == ["a"] and p.stop_token_ids == [1]
+
+
+def test_for_child_gives_n_1_and_distinct_seeds():
+    p = SamplingParams(n=3, seed=10, temperature=0.5, stop=["x"])
+    kids = [p.for_child(i) for i in range(3)]
+    assert [k.seed for k in kids] == [10, 11, 12]
+    assert all(k.n == 1 and k.temperature == 0.5 and k.stop == ["x"] for k in kids)
+    assert SamplingParams(n=2).for_child(1).seed is None
+    assert SamplingParams(n=2, seed=2**64 - 1).for_child(1).seed == 0  # wraps into the valid range
+    assert p.n == 3 and p.seed == 10
