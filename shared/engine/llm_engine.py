@@ -122,7 +122,7 @@ class LLMEngine:
         self.parked: dict[str, Request] = {}  # prefill-only requests holding blocks for export
         self.reserved: dict[str, Request] = {}  # decode side: blocks reserved for incoming KV
         self.stats = {"prompt_tokens_computed": 0, "generation_tokens": 0, "peak_kv_blocks_used": 0,
-                      "peak_kv_tokens_live": 0, "num_steps": 0}
+                      "peak_kv_tokens_live": 0, "peak_num_running": 0, "num_steps": 0}
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, backend %s",
                     mc.model_type, str(self.dtype).removeprefix("torch."), num_blocks - 1, config.block_size,
                     num_blocks * self.kv_spec.bytes_per_block / 2**20, self.max_model_len,
@@ -334,6 +334,7 @@ class LLMEngine:
             self.stats["peak_kv_blocks_used"] = used
         if live > self.stats["peak_kv_tokens_live"]:
             self.stats["peak_kv_tokens_live"] = live
+        self.stats["peak_num_running"] = max(self.stats["peak_num_running"], len(self.scheduler.running))
         self.stats["num_steps"] += 1
 
     # disaggregation: prefill side
@@ -420,6 +421,7 @@ class LLMEngine:
             "kv_tokens_live": live,
             "peak_kv_blocks_used": self.stats["peak_kv_blocks_used"],
             "peak_kv_tokens_live": self.stats["peak_kv_tokens_live"],
+            "peak_num_running": self.stats["peak_num_running"],
             "prefix_cache_queries": kv.prefix_cache_stats.queries,
             "prefix_cache_hits": kv.prefix_cache_stats.hits,
             "prompt_tokens_computed": self.stats["prompt_tokens_computed"],

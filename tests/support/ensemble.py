@@ -1,0 +1,65 @@
+"""``pdserve up`` as a subprocess for end-to-end tests: real Redis, registry, router and workers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from support.redis_server import free_port
+
+
+class Ensemble:
+    """Starts ``pdserve up ARGS`` on a free port; ``router_url``, ``registry_url``, ``redis_url`` once ready."""
+
+    def __init__(self, *args: str, log_dir: Path, timeout_s: float = 600.0) -> None:
+        self.args = list(args)
+        self.log_dir = Path(log_dir)
+        self.timeout_s = timeout_s
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.router_url = self.registry_url = self.redis_url = ""
+
+    def __enter__(self) -> Ensemble:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._out = open(self.log_dir / "up.out", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(self.port), "--log-dir",
+             str(self.log_dir), *self.args],
+            stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            text = (self.log_dir / "up.out").read_text()
+            if "Press Ctrl-C to stop." in text:
+                self.router_url = f"http://127.0.0.1:{self.port}"
+                self.registry_url = re.search(r"registry\s+(http://\S+)", text).group(1)
+                self.redis_url = re.search(r"redis\s+(redis://\S+)", text).group(1)
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve up exited {self.proc.returncode}:\n{text}")
+            time.sleep(0.5)
+        self.__exit__()
+        raise TimeoutError(f"pdserve up not ready in {self.timeout_s} s:\n{(self.log_dir / 'up.out').read_text()}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+
+    def pods(self, role: str) -> list[dict]:
+        return httpx.get(f"{self.registry_url}/v1/pods", params={"role": role}, timeout=5).json()["pods"]
+
+    def stats(self, pod: dict) -> dict:
+        return httpx.get(f"http://{pod['host']}:{pod['http_port']}/v1/stats", timeout=10).json()
