@@ -66,6 +66,16 @@ def check_query(query: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ValueError(f"query dtype {query.dtype} != cache dtype {k_cache.dtype}")
 
 
+def check_out(out: torch.Tensor, query: torch.Tensor) -> None:
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(
+            f"out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), "
+            f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError("out needs a contiguous head_dim (stride 1)")
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a guess of 4 programs in flight elsewhere)."""

@@ -26,6 +26,7 @@ from pdserve.kernels.attention_metadata import AttentionMetadata
 from pdserve.kernels.triton_common import (
     check_cache,
     check_device,
+    check_out,
     check_query,
     dot_in_fp32,
     is_interpreted,
@@ -37,6 +38,7 @@ LOG2E = 1.4426950408889634
 # A partition shorter than this is not worth its partial-result traffic and reduction.
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
+PROGRAMS_PER_SM = 8  # a first guess for H100/H200 (bench.py --sweep measures the alternatives)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,12 +215,13 @@ def _decode_reduce_kernel(
 
 
 def choose_num_splits(max_seq_len: int, num_decodes: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per sequence: enough programs for ~4 waves of SMs, no partition under 256 tokens.
+    """Splits per sequence: at least ``PROGRAMS_PER_SM`` programs per SM, no partition under 256 tokens.
 
-    A power of two (it is a compile-time constant, so this bounds the number of compiled variants).
+    Several programs per SM keep enough loads in flight, and many small ones shorten the tail of
+    the last wave. A power of two (it is a compile-time constant: this bounds the compiled variants).
     """
     by_len = max(1, math.ceil(max_seq_len / MIN_PARTITION_TOKENS))
-    by_occupancy = max(1, math.ceil(4 * num_sms(device) / max(1, num_decodes * num_kv_heads)))
+    by_occupancy = max(1, math.ceil(PROGRAMS_PER_SM * num_sms(device) / max(1, num_decodes * num_kv_heads)))
     splits = min(by_len, by_occupancy, MAX_SPLITS)
     return 1 << (splits - 1).bit_length()
 
@@ -271,6 +274,7 @@ def paged_attention_decode(
         raise ValueError(f"cache block_size {block_size} != metadata block_size {md.block_size}")
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    check_out(out, query)
     if seq_ids is None:
         if any(q != 1 for q in md.query_lens_cpu):
             raise ValueError("paged_attention_decode: every sequence must have query_len 1 (or pass seq_ids)")

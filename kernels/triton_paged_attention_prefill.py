@@ -26,6 +26,7 @@ from pdserve.kernels.attention_metadata import AttentionMetadata
 from pdserve.kernels.triton_common import (
     check_cache,
     check_device,
+    check_out,
     check_query,
     dot_in_fp32,
     is_interpreted,
@@ -211,6 +212,7 @@ def paged_attention_prefill(
         raise ValueError(f"cache block_size {block_size} != metadata block_size {md.block_size}")
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    check_out(out, query)
     if seq_ids is None:
         seq_ids = [s for s, q in enumerate(md.query_lens_cpu) if q > 0]
     if not seq_ids:

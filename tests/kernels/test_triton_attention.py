@@ -121,7 +121,8 @@ def test_decode_refuses_a_batch_with_prefill_chunks_unless_told_which_sequences(
 def test_split_count_fills_the_machine_and_respects_short_contexts():
     cpu = torch.device("cpu")
     assert choose_num_splits(100, 1, 1, cpu) == 1  # under one minimum partition
-    assert choose_num_splits(4096, 1, 1, cpu) == 16  # 4 "SMs" x 4 waves
+    assert choose_num_splits(4096, 1, 1, cpu) == 16  # capped by the 256-token minimum partition
+    assert choose_num_splits(4096, 3, 1, cpu) == 16  # 8 programs x 4 "SMs" / 3 sequences, rounded up to 2^k
     assert choose_num_splits(4096, 64, 8, cpu) == 1  # the batch alone fills it
 
 
