@@ -22,6 +22,7 @@ def command(**flags) -> None:
 
     settings = DecodeSettings(**given(flags))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
     asyncio.run(serve(DecodeWorker(settings)))
 
 

@@ -21,6 +21,7 @@ def command(**flags) -> None:
 
     settings = PrefillSettings(**given(flags))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
     asyncio.run(serve(PrefillWorker(settings)))
 
 

@@ -55,6 +55,10 @@ class Worker:
         await self.start_role()
         self.tasks += [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._abort_loop())]
         self.heartbeater = Heartbeater(self.registry, self.pod_info, self.settings.heartbeat_interval_s)
+        try:
+            await self.heartbeater.beat()  # routable before it reports healthy
+        except Exception as exc:  # the heartbeater keeps trying with backoff
+            logger.warning("first registry heartbeat failed: %s", exc)
         self.heartbeater.start()
         self.ready = True
         logger.info("%s worker %s ready", self.role, self.settings.pod_id)
@@ -211,13 +215,16 @@ async def serve(worker: Worker) -> None:
     server = uvicorn.Server(config)
     worker.http_port = settings.port
     server_task = asyncio.create_task(server.serve())
+    start = asyncio.create_task(worker.start())
     try:
-        start = asyncio.create_task(worker.start())
         done, _ = await asyncio.wait({start, server_task}, return_when=asyncio.FIRST_COMPLETED)
-        if start in done:
-            start.result()  # raise a failed start
-            await server_task
-        else:
-            start.cancel()
+        if start in done and start.exception() is None:
+            await server_task  # until SIGINT/SIGTERM
     finally:
+        if not start.done():
+            start.cancel()
+        server.should_exit = True
+        await asyncio.gather(server_task, return_exceptions=True)
         await worker.stop()
+    if start.done() and not start.cancelled() and start.exception() is not None:
+        raise start.exception()  # a failed start (model missing, port taken) exits non-zero
