@@ -59,6 +59,7 @@ class RouterState:
     metrics: RouterMetrics
     defaults: dict[str, Any]
     created: int = field(default_factory=lambda: int(time.time()))
+    active: int = 0  # requests between submit and finish
 
 
 @dataclass(slots=True)
@@ -281,6 +282,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         st = state(request)
         arrival_wall, arrival = time.time(), time.monotonic()
         p = await plan(req)
+        limit = settings.max_concurrent_requests
+        if limit and st.active >= limit:
+            raise OpenAIError(429, f"The server is serving its limit of {limit} concurrent requests; retry later",
+                              headers={"Retry-After": str(max(settings.retry_after_s, 1))})
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         header_id = request.headers.get("x-request-id")
         client_id = req.request_id or (header_id if header_id and REQUEST_ID_RE.match(header_id) else None)
@@ -298,6 +303,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                   continuous_usage=bool(req.stream_options
                                                         and req.stream_options.continuous_usage_stats))
         job = Job(response_id, request_ids, pods, arrival, builder)
+        st.active += 1
         st.metrics.running.inc()
         try:
             for prompt_index, ids in enumerate(p.prompts):
@@ -330,6 +336,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
             return
         job.closed = True
         with anyio.CancelScope(shield=True):
+            st.active -= 1
             st.metrics.running.dec()
             if aborted:
                 st.metrics.aborted.labels(settings.served_name, reason).inc()

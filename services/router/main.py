@@ -23,6 +23,8 @@ from .settings import RouterSettings
 @click.option("--max-model-len", type=int, default=None, help="Context length [default: the model's].")
 @click.option("--local-prefill-threshold", type=int, default=None,
               help="Prompts of at most this many tokens are prefilled on the decode pod.")
+@click.option("--max-concurrent-requests", type=int, default=None,
+              help="Requests served at once; more get 429 (0 = no limit).")
 @click.option("--request-timeout-s", type=float, default=None, help="Abort after this long without output.")
 @click.option("--log-level", default=None, help="debug|info|warning|error [PDSERVE_LOG_LEVEL].")
 def command(**flags: Any) -> None:

@@ -35,7 +35,9 @@ class RouterSettings(BaseSettings):
     registry_cache_s: float = Field(0.5, ge=0)
     # A request that sees no output event for this long is aborted with 504 (s).
     request_timeout_s: float = Field(600.0, gt=0)
-    # Retry-After (s) sent with 503 when no decode pod is alive.
+    # Requests this router serves at once; one more gets 429 with Retry-After (0 = no limit).
+    max_concurrent_requests: int = Field(0, ge=0)
+    # Retry-After (s) sent with 503 when no decode pod is alive, and with 429.
     retry_after_s: int = Field(1, ge=0)
     log_level: str = "info"
 

@@ -211,3 +211,29 @@ def test_bad_client_request_id_is_refused_and_a_reused_one_still_works(router, w
                           json={"model": MODEL, "messages": [{"role": "user", "content": "France?"}]})
         assert resp.status_code == 200 and resp.json()["id"] == "chatcmpl-my-id"
     assert len({r.request.request_id for r in worker.received}) == 2
+
+
+def test_request_over_the_concurrency_limit_gets_429_with_retry_after(redis_url, registry_url, processor, pods,
+                                                                     worker):
+    from conftest import start_router
+    from pdserve.services.router.settings import RouterSettings
+
+    worker.delay_s = 0.05
+    limited = start_router(RouterSettings(redis_url=redis_url, registry_url=registry_url,
+                                          max_concurrent_requests=1), processor, pods)
+    try:
+        with httpx.stream("POST", limited.url + "/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "Hi", "max_tokens": 40, "stream": True}) as first:
+            lines = first.iter_lines()  # (dropping this iterator would close the stream: a client disconnect)
+            next(lines)  # the first request is being served
+            resp = httpx.post(limited.url + "/v1/completions", json=completion(max_tokens=5)[1], timeout=30)
+            assert_error(resp, 429, "RateLimitError", None)
+            assert int(resp.headers["retry-after"]) >= 1
+            assert len(worker.received) == 1
+            rest = list(lines)
+        assert "data: [DONE]" in rest
+        worker.delay_s = 0.0
+        assert httpx.post(limited.url + "/v1/completions", json=completion(max_tokens=5)[1],
+                          timeout=30).status_code == 200
+    finally:
+        limited.stop()
