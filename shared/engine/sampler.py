@@ -235,6 +235,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """``logits``: ``[md.num_rows, vocab]`` (any float dtype, any device) -> one token per row."""
         assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (logits.shape, md.num_rows)
+        if logits.shape[1] > md.vocab_size:
+            logits = logits[:, : md.vocab_size]  # padded lm_head columns are not tokens
         if md.all_greedy and md.no_processing and not md.logprob_rows:
             return SamplerOutput(_argmax(logits).tolist(), [None] * md.num_rows)
 

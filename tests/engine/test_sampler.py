@@ -413,3 +413,16 @@ def test_penalties_touch_only_their_rows_and_tokens_and_leave_input_alone():
         for tok in set(outputs[row]):
             expected[row, tok] -= p.frequency_penalty * outputs[row].count(tok) + p.presence_penalty
     torch.testing.assert_close(ours, expected)
+
+
+def test_padded_vocab_columns_are_never_sampled():
+    logits = torch.zeros(3, 120)
+    logits[:, 100:] = 50.0  # lm_head padding beyond the tokenizer's 100 tokens
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(top_k=3, logprobs=2)]
+    out = Sampler(0)(logits, metadata(params, vocab=100))
+    assert all(t < 100 for t in out.sampled_token_ids)
+
+
+def test_empty_batch():
+    out = Sampler(0)(torch.zeros(0, 50), metadata([], vocab=50))
+    assert out.sampled_token_ids == [] and out.logprobs == []
