@@ -36,7 +36,7 @@ from . import errors
 from .dispatch import Dispatcher, PodDirectory
 from .errors import OpenAIError
 from .metrics import RouterMetrics
-from .middleware import GuardMiddleware
+from .middleware import GuardMiddleware, StatusCounter
 from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, generation_defaults,
                      requested_max_tokens)
 from .prompts import PromptProcessor
@@ -166,6 +166,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.metrics = RouterMetrics(settings.served_name)
     app.add_middleware(GuardMiddleware, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes)
+    # Added last = outermost: it also counts the guard's 401s and 413s.
+    app.add_middleware(StatusCounter, counter=app.state.metrics.requests,
+                       paths={"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
+                              "/health", "/metrics", "/version"})
     app.add_exception_handler(OpenAIError, errors.openai_error_handler)
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)

@@ -6,7 +6,8 @@ one choice; TPOT per request = (E2E - TTFT) / (completion_tokens - 1).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               PlatformCollector, ProcessCollector)
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -22,6 +23,8 @@ class RouterMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, open fds
+        PlatformCollector(registry=self.registry)
         r, m = self.registry, ["model_name"]
         self.model_name = model_name
         self.requests = Counter("pdserve:router_requests", "HTTP requests by endpoint and status",

@@ -96,3 +96,30 @@ class GuardMiddleware:
         except BodyTooLarge:
             if not started:
                 await _send_error(send, 413, f"Request body is larger than the limit of {limit} bytes")
+
+
+class StatusCounter:
+    """Counts responses by path and status (``pdserve:router_requests_total``); unknown paths share one label
+    so a scanner cannot blow up the metric's cardinality."""
+
+    def __init__(self, app: ASGIApp, counter: Any, paths: set[str]) -> None:
+        self.app = app
+        self.counter = counter
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in self.paths else "other"
+        counted = False
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:
+                counted = True
+                self.counter.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -60,3 +60,14 @@ def test_failed_and_aborted_requests_leave_no_running_request(router, worker):
     m = samples(router)
     assert m[("pdserve:num_requests_running", "")] == 0
     assert m[("pdserve:requests_aborted_total", "reason=InternalServerError")] == 1
+
+
+def test_responses_are_counted_by_endpoint_and_status(router):
+    httpx.get(router.url + "/v1/models", timeout=10)
+    httpx.post(router.url + "/v1/completions", json={"prompt": "x", "top_p": 7}, timeout=10)
+    httpx.get(router.url + "/no/such/path", timeout=10)
+    m = samples(router)
+    assert m[("pdserve:router_requests_total", "endpoint=/v1/models,status=200")] == 1
+    assert m[("pdserve:router_requests_total", "endpoint=/v1/completions,status=400")] == 1
+    assert m[("pdserve:router_requests_total", "endpoint=other,status=404")] == 1
+    assert m[("process_cpu_seconds_total", "")] > 0
