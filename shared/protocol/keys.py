@@ -4,8 +4,10 @@ Streams:
   ``pdserve:prefill``            the prefill queue (consumer group ``prefill``); entries are ``PrefillRequest``.
   ``pdserve:decode:{pod_id}``    a decode pod's own queue, for requests it prefills itself (local prefill, or no
                                  prefill tier); entries are ``PrefillRequest``; group ``DECODE_GROUP``.
-  ``pdserve:out:{request_id}``   one request's output; entries are ``OutputEvent``; expires ``OUTPUT_TTL_S``
-                                 after the final event (the router also deletes it once it has read that event).
+  ``pdserve:out:{request_id}``   one request's output; entries are ``OutputEvent``, written with
+                                 ``messages.OutputWriter`` (skips aborted requests, refreshes the TTL
+                                 ``OUTPUT_TTL_S`` on every event); the router deletes it once it has read the
+                                 final event.
 Abort:
   channel ``pdserve:abort`` carries a request id; key ``pdserve:aborted:{request_id}`` (TTL ``ABORTED_TTL_S``)
   lets a worker that was not subscribed at publish time (or dequeues the request later) see it too.

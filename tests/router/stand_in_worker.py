@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import redis
 
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest, TokenLogprob
+from pdserve.shared.protocol.messages import OutputEvent, OutputWriter, PrefillRequest, TokenLogprob
 
 PARIS = " The capital of France is Paris."
 FILLER = " The quick brown fox jumps over the lazy dog."
@@ -28,16 +28,6 @@ FILLER = " The quick brown fox jumps over the lazy dog."
 class Received:
     stream: str
     request: PrefillRequest
-
-
-# XADD unless the request was aborted, and refresh the stream's TTL, atomically: a late event can neither
-# recreate an output stream the router deleted on abort, nor leave one without a TTL.
-_XADD_UNLESS_ABORTED = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
 
 
 class StandInWorker:
@@ -123,12 +113,10 @@ class StandInWorker:
 
     def _serve(self, req: PrefillRequest) -> None:
         r = redis.Redis.from_url(self.redis_url)
-        out = keys.output_stream(req.request_id)
-        xadd = r.register_script(_XADD_UNLESS_ABORTED)
+        writer = OutputWriter(r)
 
         def emit(event: OutputEvent) -> bool:
-            flat = [x for kv in event.encode().items() for x in kv]
-            return bool(xadd(keys=[out, keys.aborted_key(req.request_id)], args=[keys.OUTPUT_TTL_S, *flat]))
+            return bool(writer.write(event))
 
         try:
             if r.exists(keys.aborted_key(req.request_id)):

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import MessageError, OutputEvent, PrefillRequest, TokenLogprob
+from pdserve.shared.protocol.messages import MessageError, OutputEvent, OutputWriter, PrefillRequest, TokenLogprob
 
 
 def roundtrip(redis_client, stream, fields):
@@ -54,3 +54,35 @@ def test_decoder_ignores_unknown_fields_from_a_newer_writer():
 def test_garbage_entries_raise_message_error(fields):
     with pytest.raises(MessageError):
         PrefillRequest.decode(fields)
+
+
+def test_output_writer_sets_a_ttl_and_skips_aborted_requests(redis_client):
+    writer = OutputWriter(redis_client)
+    assert writer.write(OutputEvent("live", token_ids=[1], text="a")) == 1
+    assert OutputEvent.decode(redis_client.xrange(keys.output_stream("live"))[0][1]).text == "a"
+    assert 0 < redis_client.ttl(keys.output_stream("live")) <= keys.OUTPUT_TTL_S
+    redis_client.set(keys.aborted_key("gone"), 1)
+    assert writer.write(OutputEvent("gone", token_ids=[1], text="a")) == 0
+    assert not redis_client.exists(keys.output_stream("gone"))
+
+
+def test_output_writer_batches_in_a_pipeline_and_works_with_asyncio(redis_url, redis_client):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    pipe = redis_client.pipeline(transaction=False)
+    writer = OutputWriter(redis_client)
+    for rid in ("a", "b"):
+        writer.write(OutputEvent(rid, token_ids=[2], text="x"), client=pipe)
+    assert pipe.execute() == [1, 1]
+
+    async def write_async() -> int:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            return await OutputWriter(client).write(OutputEvent("c", finish_reason="stop"))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(write_async()) == 1
+    assert redis_client.xlen(keys.output_stream("c")) == 1
