@@ -33,7 +33,7 @@ from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest
 
 from . import errors
-from .dispatch import Dispatcher, PodDirectory
+from .dispatch import Dispatcher, PodDirectory, RoutingConfig
 from .errors import OpenAIError
 from .metrics import RouterMetrics
 from .middleware import GuardMiddleware, StatusCounter
@@ -149,7 +149,9 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         app.state.router = RouterState(
             settings=settings, processor=processor, redis=redis,
             dispatcher=Dispatcher(redis, directory, settings.registry_cache_s,
-                                  settings.local_prefill_threshold, settings.retry_after_s),
+                                  settings.local_prefill_threshold, settings.retry_after_s,
+                                  RoutingConfig(settings.routing_mode, settings.routing_load_weight,
+                                                settings.routing_temperature), app.state.metrics),
             metrics=app.state.metrics, defaults=defaults)
         logger.info("router serving %s (max_model_len %d), redis %s, registry %s", settings.served_name,
                     processor.max_model_len, settings.redis_url, settings.registry_url)
@@ -311,7 +313,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         st.metrics.running.inc()
         try:
             for prompt_index, ids in enumerate(p.prompts):
-                placement = await st.dispatcher.place(len(ids))
+                placement = await st.dispatcher.place(len(ids), ids, req.cache_salt)
                 pod = placement.pod
                 choices = [PrefillRequest(
                     request_id=request_ids[prompt_index * p.n + j], model=settings.model,

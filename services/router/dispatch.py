@@ -1,25 +1,36 @@
 """Choosing the decode pod and the prefill path, and enqueueing a request's choices.
 
-Decode pod: the least loaded one the registry reports alive (fewest requests, counting those this router
-has in flight to it that its last heartbeat may not show yet; then most free KV blocks). Prefill: remote,
-through ``pdserve:prefill``, unless no prefill pod is alive, the decode pod is colocated, or the prompt is at
-most ``local_prefill_threshold`` tokens — then the decode pod prefills it itself (its own stream).
+Decode pod, by ``routing_mode``:
+  kv (default)   one registry lookup with the prompt's block hashes (computed exactly as the engine does);
+                 the pod with the lowest cost = uncached prompt blocks + weight x load, near-ties drawn at
+                 random (``kv_routing.py``);
+  least_loaded   fewest requests (counting those this router has in flight to it that its last heartbeat
+                 may not show yet), then most free KV blocks;
+  round_robin    pods in turn (the benchmark's baseline).
+Prefill: remote, through ``pdserve:prefill``, unless no prefill pod is alive, the decode pod is colocated,
+or what the decode pod would still have to prefill (kv: the prompt past its cached prefix; otherwise the
+whole prompt) is at most ``local_prefill_threshold`` tokens — then the decode pod prefills it itself (its
+own stream).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
+from pdserve.shared.engine.block_hash import compute_block_hashes
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import PrefillRequest
 
 from .errors import OpenAIError
+from .kv_routing import Candidate, RoundRobin, choose, pod_load, uncached_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +60,35 @@ def pick_decode_pod(pods: Sequence[PodLike], in_flight: Counter[str]) -> PodLike
 
 
 @dataclass(slots=True)
+class RoutingConfig:
+    """``mode``: kv | least_loaded | round_robin; ``load_weight``: blocks per request; ``temperature``: blocks."""
+
+    mode: str = "kv"
+    load_weight: float = 4.0
+    temperature: float = 1.0
+
+
+@dataclass(slots=True)
 class Placement:
     pod: Any
     local_prefill: bool
+    reason: str = ""
+    num_blocks: int = 0  # the prompt's full blocks (kv mode)
+    cached_blocks: int = 0  # how many of them the chosen pod holds (kv mode)
+    costs: dict[str, float] = field(default_factory=dict)
 
 
 class Dispatcher:
     """Asks the registry (cached for ``cache_s``) and XADDs ``PrefillRequest``s."""
 
     def __init__(self, redis: Redis, directory: PodDirectory, cache_s: float = 0.5,
-                 local_prefill_threshold: int = 0, retry_after_s: int = 1) -> None:
+                 local_prefill_threshold: int = 0, retry_after_s: int = 1, routing: RoutingConfig | None = None,
+                 metrics: Any = None, rng: random.Random | None = None) -> None:
+        self.routing = routing or RoutingConfig()
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self.round_robin = RoundRobin()
+        self.block_size: int | None = None  # learnt from the registry's pods
         self.redis = redis
         self.directory = directory
         self.cache_s = cache_s
@@ -66,6 +96,7 @@ class Dispatcher:
         self.retry_after_s = retry_after_s
         self.in_flight: Counter[str] = Counter()
         self._cache: dict[str, tuple[float, list[Any]]] = {}
+        self._groups: set[str] = set()
 
     async def pods(self, role: str) -> list[Any]:
         now = time.monotonic()
@@ -83,18 +114,93 @@ class Dispatcher:
     def unavailable(self, message: str) -> OpenAIError:
         return OpenAIError(503, message, headers={"Retry-After": str(self.retry_after_s)})
 
-    async def place(self, prompt_len: int) -> Placement:
+    async def place(self, prompt_len: int, prompt_token_ids: Sequence[int] | None = None,
+                    cache_salt: str | None = None) -> Placement:
+        """Decode pod and prefill path for one prompt; 503 (``OpenAIError``) when no decode pod is alive."""
+        if self.routing.mode == "kv" and prompt_token_ids is not None and hasattr(self.directory, "lookup"):
+            placement = await self._place_kv(prompt_token_ids, cache_salt)
+        else:
+            placement = await self._place_by_load(prompt_len)
+        self._observe(placement)
+        return placement
+
+    async def _place_by_load(self, prompt_len: int) -> Placement:
         decode = await self.pods("decode")
         if not decode:
             raise self.unavailable("No decode pod is available; retry later")
-        pod = pick_decode_pod(decode, self.in_flight)
-        local = bool(getattr(pod, "colocated", False)) or prompt_len <= self.local_prefill_threshold
-        if not local:
-            local = not await self.pods("prefill")
-        return Placement(pod, local)
+        if self.routing.mode == "round_robin":
+            pod = self.round_robin.pick(decode)
+        else:
+            pod = pick_decode_pod(decode, self.in_flight)
+        if getattr(pod, "colocated", False):
+            return Placement(pod, True, "colocated decode pod")
+        if prompt_len <= self.local_prefill_threshold:
+            return Placement(pod, True, f"prompt {prompt_len} <= threshold {self.local_prefill_threshold} tokens")
+        if not await self.pods("prefill"):
+            return Placement(pod, True, "no prefill pod alive")
+        return Placement(pod, False, f"prompt {prompt_len} tokens")
+
+    async def _place_kv(self, ids: Sequence[int], cache_salt: str | None) -> Placement:
+        if self.block_size is None:
+            decode = await self.pods("decode")
+            if not decode:
+                raise self.unavailable("No decode pod is available; retry later")
+            self.block_size = int(Counter(int(p.block_size) for p in decode).most_common(1)[0][0])
+        block_size = self.block_size
+        hashes = [h.hex() for h in compute_block_hashes(ids, block_size, cache_salt)]
+        try:
+            reply = await self.directory.lookup(hashes, "decode")
+        except Exception as exc:
+            logger.warning("registry lookup failed (%s: %s)", type(exc).__name__, exc)
+            raise self.unavailable("The pod registry is unreachable") from exc
+        if not reply.pods:
+            raise self.unavailable("No decode pod is available; retry later")
+        # a pod with another block size hashes other blocks: it holds none of this chain
+        self.block_size = int(Counter(int(o.pod.block_size) for o in reply.pods).most_common(1)[0][0])
+        candidates = [Candidate(o.pod, o.overlap if int(o.pod.block_size) == block_size else 0,
+                                pod_load(o.pod, self.in_flight)) for o in reply.pods]
+        choice = choose(len(hashes), candidates, self.routing.load_weight, self.routing.temperature, self.rng)
+        best = candidates[choice.index]
+        pod, overlap = best.pod, best.overlap
+        costs = {c.pod.pod_id: round(cost, 2) for c, cost in zip(candidates, choice.costs)}
+        suffix = uncached_tokens(len(ids), overlap, block_size)
+        if getattr(pod, "colocated", False):
+            local, reason = True, "colocated decode pod"
+        elif reply.num_prefill_pods == 0:
+            local, reason = True, "no prefill pod alive"
+        elif suffix <= self.local_prefill_threshold:
+            local, reason = True, f"uncached suffix {suffix} <= threshold {self.local_prefill_threshold} tokens"
+        else:
+            local, reason = False, f"uncached suffix {suffix} tokens"
+        return Placement(pod, local, reason, len(hashes), overlap, costs)
+
+    def _observe(self, placement: Placement) -> None:
+        decision = "local" if placement.local_prefill else "remote"
+        logger.info("routing (%s): decode pod %s, %d/%d prompt blocks cached there, costs %s -> %s prefill (%s)",
+                    self.routing.mode, placement.pod.pod_id, placement.cached_blocks, placement.num_blocks,
+                    placement.costs or "-", decision, placement.reason)
+        if self.metrics is not None:
+            self.metrics.observe_routing(self.routing.mode, placement.pod.pod_id, placement.num_blocks,
+                                         placement.cached_blocks)
+
+    async def ensure_group(self, stream: str, group: str) -> None:
+        """Create the consumer group at id 0 if it is missing, so entries queued before the first worker
+        started are still delivered (a group a worker creates at ``$`` would skip them)."""
+        if stream in self._groups:
+            return
+        try:
+            await self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._groups.add(stream)
 
     async def enqueue(self, placement: Placement, requests: list[PrefillRequest]) -> None:
-        stream = keys.decode_stream(placement.pod.pod_id) if placement.local_prefill else keys.PREFILL_STREAM
+        if placement.local_prefill:
+            stream, group = keys.decode_stream(placement.pod.pod_id), keys.DECODE_GROUP
+        else:
+            stream, group = keys.PREFILL_STREAM, keys.PREFILL_GROUP
+        await self.ensure_group(stream, group)
         async with self.redis.pipeline(transaction=False) as pipe:
             for req in requests:
                 pipe.xadd(stream, req.encode())

@@ -23,6 +23,12 @@ from .settings import RouterSettings
 @click.option("--max-model-len", type=int, default=None, help="Context length [default: the model's].")
 @click.option("--local-prefill-threshold", type=int, default=None,
               help="Prompts of at most this many tokens are prefilled on the decode pod.")
+@click.option("--routing-mode", type=click.Choice(["kv", "round_robin", "least_loaded"]), default=None,
+              help="Decode pod choice [PDSERVE_ROUTING_MODE, default kv].")
+@click.option("--routing-load-weight", type=float, default=None,
+              help="kv routing: cost of one request on a pod, in prompt blocks [default 4].")
+@click.option("--routing-temperature", type=float, default=None,
+              help="kv routing: softmax temperature over costs, in blocks (0 = cheapest) [default 1].")
 @click.option("--max-concurrent-requests", type=int, default=None,
               help="Requests served at once; more get 429 (0 = no limit).")
 @click.option("--request-timeout-s", type=float, default=None, help="Abort after this long without output.")

@@ -51,3 +51,16 @@ class RouterMetrics:
                                m + ["reason"], registry=r)
         self.pd_decisions = Counter("pdserve:pd_decisions", "Prefill placement decisions",
                                     m + ["decision"], registry=r)
+        # KV-aware routing: chosen pods, and the prompt blocks the chosen pod already held (expected hit rate)
+        self.routing_decisions = Counter("pdserve:routing_decisions", "Decode pods chosen, by routing mode",
+                                         m + ["mode", "pod"], registry=r)
+        self.routing_prompt_blocks = Counter("pdserve:routing_prompt_blocks", "Full prompt blocks of routed requests",
+                                             m, registry=r).labels(model_name)
+        self.routing_cached_blocks = Counter("pdserve:routing_cached_blocks",
+                                             "Prompt blocks the chosen decode pod already held (registry lookup)",
+                                             m, registry=r).labels(model_name)
+
+    def observe_routing(self, mode: str, pod_id: str, num_blocks: int, cached_blocks: int) -> None:
+        self.routing_decisions.labels(self.model_name, mode, pod_id).inc()
+        self.routing_prompt_blocks.inc(num_blocks)
+        self.routing_cached_blocks.inc(cached_blocks)

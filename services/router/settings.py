@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -28,9 +30,16 @@ class RouterSettings(BaseSettings):
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
     # Default: the model's max_position_embeddings.
     max_model_len: int | None = Field(None, gt=0)
-    # Prompts of at most this many tokens are prefilled by the decode pod itself (0 = never, unless no
-    # prefill pod is alive or the decode pod is colocated).
+    # Prompts whose uncached part on the chosen decode pod (kv routing; otherwise the whole prompt) is at most
+    # this many tokens are prefilled by that pod itself (0 = never, unless no prefill pod is alive or the
+    # decode pod is colocated).
     local_prefill_threshold: int = Field(0, ge=0)
+    # Decode pod choice: kv (prefix overlap + load, one registry lookup per request), least_loaded, round_robin.
+    routing_mode: Literal["kv", "round_robin", "least_loaded"] = "kv"
+    # kv: cost = uncached prompt blocks + routing_load_weight x requests on the pod (blocks per request).
+    routing_load_weight: float = Field(4.0, ge=0)
+    # kv: softmax temperature over costs, in blocks (0 = always the cheapest, ties at random).
+    routing_temperature: float = Field(1.0, ge=0)
     # How long a pod list from the registry is reused (s).
     registry_cache_s: float = Field(0.5, ge=0)
     # A request that sees no output event for this long is aborted with 504 (s).

@@ -82,3 +82,12 @@ def test_short_prompts_prefill_locally_long_ones_remotely(threshold_router, work
     decisions = dict(re.findall(r'^pdserve:pd_decisions_total\{decision="(\w+)",model_name="[^"]+"\} (\S+)$',
                                 text, re.M))
     assert decisions == {"local": "1.0", "remote": "1.0"}
+
+
+def test_queues_get_their_consumer_group_before_the_first_entry(router, pods, redis_client):
+    """No worker has started yet: the entry must still reach the first one that joins the group."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/chat/completions", json=CHAT, timeout=httpx.Timeout(30, read=0.5))
+    (group,) = redis_client.xinfo_groups(keys.PREFILL_STREAM)
+    assert group["name"] in (keys.PREFILL_GROUP, keys.PREFILL_GROUP.encode())
+    assert redis_client.xreadgroup(keys.PREFILL_GROUP, "late-worker", {keys.PREFILL_STREAM: ">"})
