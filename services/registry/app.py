@@ -1,4 +1,7 @@
-"""The registry's HTTP API (FastAPI): heartbeats in, alive pods out. API: shared/protocol/registry.py."""
+"""The registry's HTTP API (FastAPI): heartbeats and block events in, alive pods and prefix overlaps out.
+
+API: shared/protocol/registry.py (pods) and shared/protocol/kv_events.py (block events, lookup).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from redis.exceptions import RedisError
 
+from pdserve.services.registry.kv_index import BlockIndex
+from pdserve.shared.protocol.kv_events import KVEventBatch, KVEventsReply, KVLookup, KVLookupReply, KVSnapshot, PodOverlap
 from pdserve.shared.protocol.registry import ROLES, PodInfo, Role
 from pdserve.services.registry.settings import RegistrySettings
 from pdserve.services.registry.store import PodStore
@@ -33,6 +38,13 @@ class _Metrics:
         self.deregistrations = Counter("pdserve:registry_deregistrations_total", "Pods deregistered", registry=r)
         self.redis_errors = Counter("pdserve:registry_redis_errors_total", "Requests failed on Redis", registry=r)
         self.pods = Gauge("pdserve:registry_pods", "Alive pods (at scrape time)", ["role"], registry=r)
+        self.kv_events = Counter("pdserve:registry_kv_events_total", "Block events applied", registry=r)
+        self.kv_resyncs = Counter("pdserve:registry_kv_resyncs_total",
+                                  "Resyncs asked of pods (sequence gap, unknown pod or epoch)", registry=r)
+        self.kv_snapshots = Counter("pdserve:registry_kv_snapshots_total", "Snapshots applied", registry=r)
+        self.kv_lookups = Counter("pdserve:registry_kv_lookups_total", "Prefix lookups answered", registry=r)
+        self.kv_blocks = Gauge("pdserve:registry_kv_blocks", "Blocks indexed per alive pod (at scrape time)",
+                               ["pod", "role"], registry=r)
         self.free_blocks = Gauge("pdserve:registry_free_blocks", "Free KV blocks reported by alive pods",
                                  ["role"], registry=r)
 
@@ -41,6 +53,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     settings = settings or RegistrySettings()
     redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
     store = PodStore(redis, settings.pod_ttl_s)
+    index = BlockIndex(redis, settings.pod_ttl_s)
     metrics = _Metrics()
 
     @asynccontextmanager
@@ -51,6 +64,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
 
     app = FastAPI(title="pdserve registry", lifespan=lifespan)
     app.state.store = store
+    app.state.index = index
     app.state.settings = settings
 
     @app.exception_handler(RequestValidationError)
@@ -92,6 +106,39 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
         log.info("registry: %s deregistered", pod_id)
         return {"deleted": True}
 
+    @app.post("/v1/kv/events")
+    async def kv_events(batch: KVEventBatch) -> KVEventsReply:
+        reply = await index.apply(batch)
+        metrics.kv_events.inc(reply.applied)
+        if reply.resync:
+            metrics.kv_resyncs.inc()
+            log.info("registry: %s needs a KV resync (events from %d, registry at %d)", batch.pod_id,
+                     batch.events[0].seq if batch.events else 0, reply.seq)
+        return reply
+
+    @app.post("/v1/kv/snapshot")
+    async def kv_snapshot(snap: KVSnapshot) -> KVEventsReply:
+        reply = await index.snapshot(snap)
+        metrics.kv_snapshots.inc()
+        log.info("registry: %s resynchronised: %d blocks as of event %d", snap.pod_id, len(snap.block_hashes),
+                 snap.seq)
+        return reply
+
+    @app.get("/v1/kv/pods/{pod_id}")
+    async def kv_pod(pod_id: str) -> dict:
+        """The pod's indexed hashes and last applied event (operators, tests)."""
+        epoch, seq = await index.pod_seq(pod_id)
+        return {"pod_id": pod_id, "epoch": epoch, "seq": seq, "block_hashes": sorted(await index.pod_blocks(pod_id))}
+
+    @app.post("/v1/kv/lookup")
+    async def kv_lookup(q: KVLookup) -> KVLookupReply:
+        pods = await store.list(q.role)
+        overlaps = await index.overlaps([p.pod_id for p in pods], q.block_hashes)
+        num_prefill = len(await store.list("prefill")) if q.role == "decode" else len(pods)
+        metrics.kv_lookups.inc()
+        return KVLookupReply(pods=[PodOverlap(pod=p, overlap=o) for p, o in zip(pods, overlaps)],
+                             num_prefill_pods=num_prefill)
+
     @app.get("/health")
     async def health():
         try:
@@ -109,6 +156,9 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
                 mine = [p for p in pods if p.role == role]
                 metrics.pods.labels(role).set(len(mine))
                 metrics.free_blocks.labels(role).set(sum(p.free_blocks for p in mine))
+            metrics.kv_blocks.clear()
+            for p in pods:
+                metrics.kv_blocks.labels(p.pod_id, p.role).set(await index.count(p.pod_id))
         except RedisError:
             metrics.redis_errors.inc()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

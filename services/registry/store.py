@@ -3,6 +3,7 @@
 Keys (prefix ``pdserve:registry:``):
     pod:{pod_id}    hash, one JSON-encoded value per PodInfo field; EXPIRE pod_ttl_s on every beat
     alive:{role}    sorted set pod_id -> last heartbeat (Redis server time, unix s)
+    kv:*:{pod_id}   the pod's block index (``kv_index.py``): refreshed by each beat, deleted with the pod
 A pod is alive while its hash exists and its score is within ``pod_ttl_s`` of Redis's clock; stale
 set members are trimmed on read. Times come from Redis ``TIME``, so registries on hosts with skewed
 clocks still agree.
@@ -14,6 +15,7 @@ import json
 
 from redis.asyncio import Redis
 
+from pdserve.services.registry.kv_index import blocks_key, seq_key
 from pdserve.shared.protocol.registry import ROLES, PodInfo
 
 PREFIX = "pdserve:registry:"
@@ -46,6 +48,8 @@ class PodStore:
             pipe.hset(key, mapping={k: json.dumps(v) for k, v in stored.model_dump(mode="json").items()})
             pipe.pexpire(key, ttl_ms)
             pipe.zadd(alive_key(info.role), {info.pod_id: now})
+            pipe.pexpire(blocks_key(info.pod_id), ttl_ms)  # its blocks live exactly as long as its record
+            pipe.pexpire(seq_key(info.pod_id), ttl_ms)
             pipe.pexpire(alive_key(info.role), ttl_ms * 10)  # an abandoned deployment leaves nothing behind
             for other in ROLES:
                 if other != info.role:
@@ -78,6 +82,7 @@ class PodStore:
     async def delete(self, pod_id: str) -> bool:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(pod_key(pod_id))
+            pipe.delete(blocks_key(pod_id), seq_key(pod_id))
             for r in ROLES:
                 pipe.zrem(alive_key(r), pod_id)
             deleted, *_ = await pipe.execute()

@@ -64,7 +64,7 @@ class RoutingConfig:
     """``mode``: kv | least_loaded | round_robin; ``load_weight``: blocks per request; ``temperature``: blocks."""
 
     mode: str = "kv"
-    load_weight: float = 4.0
+    load_weight: float = 8.0
     temperature: float = 1.0
 
 

@@ -26,7 +26,7 @@ from .settings import RouterSettings
 @click.option("--routing-mode", type=click.Choice(["kv", "round_robin", "least_loaded"]), default=None,
               help="Decode pod choice [PDSERVE_ROUTING_MODE, default kv].")
 @click.option("--routing-load-weight", type=float, default=None,
-              help="kv routing: cost of one request on a pod, in prompt blocks [default 4].")
+              help="kv routing: cost of one request on a pod, in prompt blocks [default 8].")
 @click.option("--routing-temperature", type=float, default=None,
               help="kv routing: softmax temperature over costs, in blocks (0 = cheapest) [default 1].")
 @click.option("--max-concurrent-requests", type=int, default=None,

@@ -37,7 +37,7 @@ class RouterSettings(BaseSettings):
     # Decode pod choice: kv (prefix overlap + load, one registry lookup per request), least_loaded, round_robin.
     routing_mode: Literal["kv", "round_robin", "least_loaded"] = "kv"
     # kv: cost = uncached prompt blocks + routing_load_weight x requests on the pod (blocks per request).
-    routing_load_weight: float = Field(4.0, ge=0)
+    routing_load_weight: float = Field(8.0, ge=0)
     # kv: softmax temperature over costs, in blocks (0 = always the cheapest, ties at random).
     routing_temperature: float = Field(1.0, ge=0)
     # How long a pod list from the registry is reused (s).

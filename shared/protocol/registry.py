@@ -7,6 +7,7 @@ HTTP API of ``services/registry`` (JSON):
     GET    /v1/pods/{pod_id}    -> 200 PodInfo | 404
     DELETE /v1/pods/{pod_id}    -> 200 {"deleted": true} | 404
 A pod missing heartbeats for ``pod_ttl_s`` (default 5 s) drops out of every answer.
+Block events and prefix lookups (``/v1/kv/...``): see ``shared/protocol/kv_events.py``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from pdserve.shared.protocol.kv_events import KVEventBatch, KVEventsReply, KVLookupReply, KVSnapshot
 
 log = logging.getLogger("pdserve.registry")
 
@@ -101,6 +105,22 @@ class RegistryClient:
     async def deregister(self, pod_id: str) -> bool:
         """Removes the pod at once (graceful shutdown); ``False`` if it was not registered."""
         return await self._request("DELETE", f"/v1/pods/{pod_id}", allow_404=True) is not None
+
+    async def publish_kv_events(self, batch: KVEventBatch) -> KVEventsReply:
+        """Sends a pod's numbered block events; the reply says whether the registry needs a snapshot."""
+        from pdserve.shared.protocol.kv_events import KVEventsReply
+        return KVEventsReply.model_validate(await self._request("POST", "/v1/kv/events", json=batch.model_dump(mode="json")))
+
+    async def publish_kv_snapshot(self, snap: KVSnapshot) -> KVEventsReply:
+        """Replaces the registry's view of the pod's cached blocks."""
+        from pdserve.shared.protocol.kv_events import KVEventsReply
+        return KVEventsReply.model_validate(await self._request("POST", "/v1/kv/snapshot", json=snap.model_dump(mode="json")))
+
+    async def lookup(self, block_hashes: list[str], role: str = "decode") -> KVLookupReply:
+        """Alive pods of ``role`` with their load and how many leading blocks of the chain (hex) each holds."""
+        from pdserve.shared.protocol.kv_events import KVLookupReply
+        data = await self._request("POST", "/v1/kv/lookup", json={"block_hashes": block_hashes, "role": role})
+        return KVLookupReply.model_validate(data)
 
     async def health(self) -> bool:
         try:

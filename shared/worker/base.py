@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.shared.engine.engine_thread import EngineThread
 from pdserve.shared.engine.llm_engine import LLMEngine
 from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.kv_events import KVEventPublisher
 from pdserve.shared.protocol.registry import Heartbeater, PodInfo, RegistryClient
 from pdserve.shared.transport.layout import KVLayout
 from pdserve.shared.worker.events import OutputEvent, publish, to_event
@@ -38,6 +39,7 @@ class Worker:
         self.redis = aioredis.from_url(settings.redis_url)
         self.registry = RegistryClient(settings.registry_url)
         self.heartbeater: Heartbeater | None = None
+        self.kv_events: KVEventPublisher | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stats: dict = {}
         self.tasks: list[asyncio.Task] = []
@@ -52,6 +54,10 @@ class Worker:
         self.stats = self.engine.get_stats()
         self.engine_thread = EngineThread(self.engine, self._on_outputs, name=f"{self.role}-engine")
         self.engine_thread.start()
+        if self.engine.config.enable_kv_events:
+            self.kv_events = KVEventPublisher(self.registry.publish_kv_events, self.registry.publish_kv_snapshot,
+                                              self.settings.pod_id, self._kv_snapshot)
+            self.tasks.append(self.kv_events.start())
         await self.start_role()
         self.tasks += [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._abort_loop())]
         self.heartbeater = Heartbeater(self.registry, self.pod_info, self.settings.heartbeat_interval_s)
@@ -88,7 +94,23 @@ class Worker:
         # engine thread: take a stats snapshot with the outputs, hand both to the loop
         stats = self.engine.get_stats()
         extra = self.on_outputs_engine_thread(outputs)
+        self._drain_kv_events()
         self.loop.call_soon_threadsafe(self._outputs.put_nowait, (outputs, stats, extra))
+
+    def _drain_kv_events(self) -> None:
+        # engine thread; also called from the heartbeat, since reserve/commit/abort change the cache between steps
+        if self.kv_events is not None:
+            self.kv_events.record(self.engine.kv_manager.block_pool.take_events())
+
+    def _stats_and_kv_events(self) -> dict:
+        self._drain_kv_events()
+        return self.engine.get_stats()
+
+    async def _kv_snapshot(self) -> tuple[int, list[bytes]]:
+        def state() -> tuple[int, list[bytes]]:
+            self._drain_kv_events()
+            return self.kv_events.last_seq, list(self.engine.kv_manager.block_pool.cached_block_hash_to_block)
+        return await self.engine_thread.acall(state)
 
     def on_outputs_engine_thread(self, outputs) -> object:
         """Hook for work that must happen on the engine thread right after a step."""
@@ -153,7 +175,7 @@ class Worker:
     # registry
     async def pod_info(self) -> PodInfo:
         if self.engine_thread is not None and self.engine_thread.alive:
-            self.stats = await self.engine_thread.acall(self.engine.get_stats)
+            self.stats = await self.engine_thread.acall(self._stats_and_kv_events)
             self.metrics.update_from_stats(self.stats)
         s = self.stats
         return PodInfo(

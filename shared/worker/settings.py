@@ -41,6 +41,8 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # publish the prefix cache's block events to the registry (KV-aware routing)
+    enable_kv_events: bool = True
     kv_cache_memory: str | None = None
     preemption_mode: str = "recompute"
     attention_backend: str = "auto"
@@ -52,4 +54,5 @@ class WorkerSettings(BaseSettings):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching, kv_cache_memory_bytes=self.kv_cache_memory,
             preemption_mode=self.preemption_mode, attention_backend=self.attention_backend, device=self.device,
+            enable_kv_events=self.enable_kv_events and self.enable_prefix_caching,
         )
