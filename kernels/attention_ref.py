@@ -67,7 +67,8 @@ def _decode_plan(md: AttentionMetadata, decode_seqs: list[int]):
         valid = pos[None, :] < lens_t[:, None]
         slots = torch.where(valid, slots, torch.zeros_like(slots))  # padding reads the null block
         q_rows = md.query_start_loc[idx].long()
-        plan = (slots, valid[:, None, None, :], q_rows)
+        all_decode = len(decode_seqs) == md.num_seqs
+        plan = (slots.reshape(-1), valid[:, None, None, :], None if all_decode else q_rows, len(decode_seqs), max_len)
         md.cache[key] = plan
     return plan
 
@@ -96,13 +97,16 @@ def paged_attention_ref(
 
     decode_seqs = [s for s, q in enumerate(md.query_lens_cpu) if q == 1]
     if decode_seqs:
-        slots, mask, q_rows = _decode_plan(md, decode_seqs)
-        n, max_len = slots.shape
-        k = flat_k[slots.reshape(-1)].view(n, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        v = flat_v[slots.reshape(-1)].view(n, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        q = query[q_rows].unsqueeze(2)  # [n, H, 1, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[q_rows] = o.squeeze(2)
+        # index_select, not advanced indexing: ~10x faster gathers on CPU
+        slots, mask, q_rows, n, max_len = _decode_plan(md, decode_seqs)
+        k = flat_k.index_select(0, slots).view(n, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = flat_v.index_select(0, slots).view(n, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        q = (query if q_rows is None else query.index_select(0, q_rows)).unsqueeze(2)  # [n, H, 1, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa).squeeze(2)
+        if q_rows is None:
+            out = o
+        else:
+            out.index_copy_(0, q_rows, o)
 
     for s, q_len in enumerate(md.query_lens_cpu):
         if q_len <= 1:
@@ -113,8 +117,8 @@ def paged_attention_ref(
         if slots is None:
             slots = _token_slots(md.block_tables[s], ctx, md.block_size)
             md.cache[("ref_slots", s)] = slots
-        k = flat_k[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-        v = flat_v[slots].transpose(0, 1).unsqueeze(0)
+        k = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        v = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0)
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if ctx == q_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

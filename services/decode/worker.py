@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
 from pdserve.shared.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -114,7 +114,7 @@ class DecodeWorker(Worker):
             try:
                 entries = await self.redis.xreadgroup(keys.DECODE_GROUP, self.settings.pod_id, {stream: ">"},
                                                       count=32, block=1000)
-            except (ConnectionError, OSError) as exc:
+            except (RedisError, OSError) as exc:
                 logger.warning("reading %s failed (%s); retrying", stream, exc)
                 await asyncio.sleep(1.0)
                 continue
@@ -141,7 +141,7 @@ class DecodeWorker(Worker):
         except (RequestRejected, SamplingParamsError, ValueError, TypeError) as exc:
             self.requests.pop(req.request_id, None)
             self.metrics.requests_failed.inc()
-            await publish(self.redis, [error_event(req.request_id, str(exc), 400, "BadRequestError")])
+            await publish(self.writer, self.redis, [error_event(req.request_id, str(exc), 400, "BadRequestError")])
 
     def worker_stats(self) -> dict:
         stats = super().worker_stats()

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
 from pdserve.shared.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -77,7 +77,7 @@ class PrefillWorker(Worker):
             try:
                 entries = await self.redis.xreadgroup(keys.PREFILL_GROUP, self.settings.pod_id,
                                                       {keys.PREFILL_STREAM: ">"}, count=max(1, free), block=1000)
-            except (ConnectionError, OSError) as exc:
+            except (RedisError, OSError) as exc:
                 logger.warning("reading the prefill queue failed (%s); retrying", exc)
                 await asyncio.sleep(1.0)
                 continue
@@ -94,7 +94,7 @@ class PrefillWorker(Worker):
             try:
                 _, claimed, _ = await self.redis.xautoclaim(keys.PREFILL_STREAM, keys.PREFILL_GROUP,
                                                            self.settings.pod_id, idle_ms, "0-0", count=16)
-            except (ConnectionError, OSError, ResponseError) as exc:
+            except (RedisError, OSError) as exc:
                 logger.warning("XAUTOCLAIM failed: %s", exc)
                 continue
             for msg_id, fields in claimed:
@@ -142,7 +142,7 @@ class PrefillWorker(Worker):
     async def _fail(self, msg_id, request_id: str, message: str, code: int, type_: str) -> None:
         self.metrics.requests_failed.inc()
         logger.warning("request %s failed: %s", request_id, message)
-        await publish(self.redis, [error_event(request_id, message, code, type_)])
+        await publish(self.writer, self.redis, [error_event(request_id, message, code, type_)])
         await self._ack(msg_id)
 
     async def abort(self, request_id: str) -> None:
@@ -164,7 +164,7 @@ class PrefillWorker(Worker):
 
     async def handle_outputs(self, outputs, exported) -> None:
         tracked = {o.request_id for o in outputs if o.request_id in self.requests}
-        await publish(self.redis, self.events_for(outputs))  # the first token: TTFT
+        await publish(self.writer, self.redis, self.events_for(outputs))  # the first token: TTFT
         for out in outputs:
             rid = out.request_id
             if rid not in tracked or rid not in self.inflight:

@@ -115,7 +115,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.preemption_mode, swap)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed=config.seed)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = self._eos_ids()
         self.groups: dict[str, _Group] = {}
@@ -174,7 +174,7 @@ class LLMEngine:
                      index=0, parent_id=None, prefill_only=False) -> Request:
         generator = None
         if params.seed is not None and not params.is_greedy:
-            generator = torch.Generator().manual_seed(params.seed + index)
+            generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
         return Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, arrival_time,
                        priority, cache_salt, generator, index, parent_id, prefill_only)
 

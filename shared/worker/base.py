@@ -21,7 +21,8 @@ from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.kv_events import KVEventPublisher
 from pdserve.shared.protocol.registry import Heartbeater, PodInfo, RegistryClient
 from pdserve.shared.transport.layout import KVLayout
-from pdserve.shared.worker.events import OutputEvent, publish, to_event
+from pdserve.shared.protocol.messages import OutputEvent, OutputWriter
+from pdserve.shared.worker.events import publish, to_event
 from pdserve.shared.worker.metrics import WorkerMetrics
 from pdserve.shared.worker.settings import WorkerSettings
 
@@ -37,6 +38,7 @@ class Worker:
         self.engine: LLMEngine | None = None
         self.engine_thread: EngineThread | None = None
         self.redis = aioredis.from_url(settings.redis_url)
+        self.writer = OutputWriter(self.redis)
         self.registry = RegistryClient(settings.registry_url)
         self.heartbeater: Heartbeater | None = None
         self.kv_events: KVEventPublisher | None = None
@@ -127,7 +129,7 @@ class Worker:
                 logger.exception("publishing outputs failed")
 
     async def handle_outputs(self, outputs, extra) -> None:
-        await publish(self.redis, self.events_for(outputs))
+        await publish(self.writer, self.redis, self.events_for(outputs))
 
     def events_for(self, outputs) -> list[OutputEvent]:
         now = time.time()

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from pdserve.shared.engine.outputs import RequestOutput
-from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import OutputEvent, TokenLogprob
-
-# An output stream holds at most a request's events; the cap only guards against a runaway writer.
-OUTPUT_STREAM_MAXLEN = 100_000
-
+from pdserve.shared.protocol.messages import OutputEvent, OutputWriter, TokenLogprob
 
 def to_event(out: RequestOutput, num_logprobs: int | None, first: bool) -> OutputEvent:
     """The step's delta of completion 0 as an event (the router fans n > 1 out into requests)."""
@@ -38,14 +33,12 @@ def error_event(request_id: str, message: str, code: int, type_: str = "ServiceU
     return OutputEvent(request_id=request_id, error={"message": message, "type": type_, "code": code})
 
 
-async def publish(redis, events: list[OutputEvent]) -> None:
-    """XADD every event to its request's stream in one round trip; a final event arms the stream's TTL."""
+async def publish(writer: OutputWriter, redis, events: list[OutputEvent]) -> None:
+    """Write every event to its request's stream in one round trip (``OutputWriter``: skips requests
+    that were aborted meanwhile, so an aborted stream is never recreated, and refreshes the TTL)."""
     if not events:
         return
     pipe = redis.pipeline(transaction=False)
     for event in events:
-        stream = keys.output_stream(event.request_id)
-        pipe.xadd(stream, event.encode(), maxlen=OUTPUT_STREAM_MAXLEN, approximate=True)
-        if event.finished:
-            pipe.expire(stream, keys.OUTPUT_TTL_S)
+        writer.write(event, client=pipe)
     await pipe.execute()
