@@ -40,5 +40,5 @@ async def publish(writer: OutputWriter, redis, events: list[OutputEvent]) -> Non
         return
     pipe = redis.pipeline(transaction=False)
     for event in events:
-        writer.write(event, client=pipe)
+        await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
     await pipe.execute()
