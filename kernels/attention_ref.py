@@ -6,8 +6,8 @@ KV head ``h // (num_heads // num_kv_heads)``.
 
 Algorithm: PagedAttention (Kwon et al., SOSP 2023) semantics, computed the plain way: gather each
 sequence's K/V through its block table, then scaled dot-product attention with a causal mask offset
-by the cached context. Decodes (query_len == 1) are batched into one SDPA call; prefill chunks run one
-SDPA call each. Gather indices and masks are built once per step (``AttentionMetadata.cache``).
+by the cached context. Decodes (query_len == 1) are batched into one padded SDPA call and prefill
+chunks into another. Gather indices and masks are built once per step (``AttentionMetadata.cache``).
 """
 
 from __future__ import annotations
@@ -44,32 +44,44 @@ def reshape_and_cache_ref(
         flat_v.index_copy_(0, slots, value[valid])
 
 
-def _token_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(length, device=block_table_row.device)
-    return block_table_row[pos // block_size].long() * block_size + pos % block_size
+def _group_plan(md: AttentionMetadata, seqs: list[int]):
+    """Gather indices and masks for one padded SDPA call over the sequences ``seqs``.
 
-
-def _decode_plan(md: AttentionMetadata, decode_seqs: list[int]):
-    """Gather index [n, max_len] and key-padding mask [n, 1, 1, max_len] for the batched decodes."""
-    key = ("ref_decode", tuple(decode_seqs))
+    Returns ``(key_slots [n*max_ctx], mask [n, 1, max_q, max_ctx], query_rows [n*max_q],
+    out_sel [m], out_rows [m] | None, n, max_q, max_ctx)``. Padded keys read the null block and are
+    masked; padded query rows attend to key 0 only (finite, then dropped by ``out_sel``).
+    ``out_rows`` is ``None`` when the group's rows are exactly the step's tokens in order.
+    """
+    key = ("ref_plan", tuple(seqs))
     plan = md.cache.get(key)
-    if plan is None:
-        lens = [md.seq_lens_cpu[s] for s in decode_seqs]
-        max_len = max(lens)
-        device = md.block_tables.device
-        idx = torch.tensor(decode_seqs, device=device)
-        pos = torch.arange(max_len, device=device)
-        tables = md.block_tables[idx].long()
-        nblk = tables.shape[1]
-        blk = tables.gather(1, (pos // md.block_size).clamp(max=nblk - 1).expand(len(decode_seqs), -1))
-        slots = blk * md.block_size + pos % md.block_size
-        lens_t = torch.tensor(lens, device=device)
-        valid = pos[None, :] < lens_t[:, None]
-        slots = torch.where(valid, slots, torch.zeros_like(slots))  # padding reads the null block
-        q_rows = md.query_start_loc[idx].long()
-        all_decode = len(decode_seqs) == md.num_seqs
-        plan = (slots.reshape(-1), valid[:, None, None, :], None if all_decode else q_rows, len(decode_seqs), max_len)
-        md.cache[key] = plan
+    if plan is not None:
+        return plan
+    device = md.block_tables.device
+    qlens = [md.query_lens_cpu[s] for s in seqs]
+    ctxs = [md.seq_lens_cpu[s] for s in seqs]
+    qsl = md.cache["qsl"]
+    n, max_q, max_ctx = len(seqs), max(qlens), max(ctxs)
+    idx = torch.tensor(seqs, device=device)
+    pos = torch.arange(max_ctx, device=device)
+    tables = md.block_tables.index_select(0, idx).long()
+    blk = tables.gather(1, (pos // md.block_size).clamp(max=tables.shape[1] - 1).expand(n, -1))
+    ctx_t = torch.tensor(ctxs, device=device)
+    q_t = torch.tensor(qlens, device=device)
+    valid_k = pos[None, :] < ctx_t[:, None]  # [n, max_ctx]
+    slots = torch.where(valid_k, blk * md.block_size + pos % md.block_size, torch.zeros_like(blk))
+    i = torch.arange(max_q, device=device)
+    real_q = i[None, :] < q_t[:, None]  # [n, max_q]
+    qpos = (ctx_t - q_t)[:, None] + i[None, :]  # position of query row i
+    mask = valid_k[:, None, :] & (pos[None, None, :] <= qpos[:, :, None]) & real_q[:, :, None]
+    mask[:, :, 0] |= ~real_q  # padded query rows: attend to key 0 only
+    starts = torch.tensor([qsl[s] for s in seqs], device=device)
+    query_rows = (starts[:, None] + torch.minimum(i[None, :], q_t[:, None] - 1)).reshape(-1)
+    out_sel = real_q.reshape(-1).nonzero().squeeze(1)
+    out_rows = query_rows.index_select(0, out_sel)
+    if len(out_rows) == md.num_tokens and bool((out_rows == torch.arange(md.num_tokens, device=device)).all()):
+        out_rows = None
+    plan = (slots.reshape(-1), mask[:, None], query_rows, out_sel, out_rows, n, max_q, max_ctx)
+    md.cache[key] = plan
     return plan
 
 
@@ -84,50 +96,36 @@ def paged_attention_ref(
 
     query: [num_tokens, num_heads, head_dim]; returns [num_tokens, num_heads, head_dim] in query's
     dtype. The step's own K/V must already be in the cache (``reshape_and_cache_ref`` first).
-    Sequences with ``query_len == 0`` are skipped.
+    Sequences with ``query_len == 0`` are skipped. Decodes go in one padded SDPA call and prefill
+    chunks in another (padding a decode to a long chunk's length would waste its compute); the
+    padding costs little because attention is a small share of a step's FLOPs at these lengths.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     gqa = num_heads != num_kv_heads
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(query)
-    qsl = md.query_start_loc.tolist() if "qsl" not in md.cache else md.cache["qsl"]
-    md.cache["qsl"] = qsl
-
-    decode_seqs = [s for s, q in enumerate(md.query_lens_cpu) if q == 1]
-    if decode_seqs:
+    if "qsl" not in md.cache:
+        md.cache["qsl"] = md.query_start_loc.tolist()
+    groups = md.cache.get("ref_groups")
+    if groups is None:
+        decodes = [s for s, q in enumerate(md.query_lens_cpu) if q == 1]
+        prefills = [s for s, q in enumerate(md.query_lens_cpu) if q > 1]
+        groups = md.cache["ref_groups"] = [g for g in (decodes, prefills) if g]
+    out = None
+    for seqs in groups:
+        slots, mask, query_rows, out_sel, out_rows, n, max_q, max_ctx = _group_plan(md, seqs)
         # index_select, not advanced indexing: ~10x faster gathers on CPU
-        slots, mask, q_rows, n, max_len = _decode_plan(md, decode_seqs)
-        k = flat_k.index_select(0, slots).view(n, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        v = flat_v.index_select(0, slots).view(n, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        q = (query if q_rows is None else query.index_select(0, q_rows)).unsqueeze(2)  # [n, H, 1, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa).squeeze(2)
-        if q_rows is None:
-            out = o
-        else:
-            out.index_copy_(0, q_rows, o)
-
-    for s, q_len in enumerate(md.query_lens_cpu):
-        if q_len <= 1:
-            continue
-        ctx = md.seq_lens_cpu[s]
-        start = qsl[s]
-        slots = md.cache.get(("ref_slots", s))
-        if slots is None:
-            slots = _token_slots(md.block_tables[s], ctx, md.block_size)
-            md.cache[("ref_slots", s)] = slots
-        k = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-        v = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        if ctx == q_len:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            mask = md.cache.get(("ref_mask", s))
-            if mask is None:
-                qpos = torch.arange(ctx - q_len, ctx, device=query.device)
-                mask = torch.arange(ctx, device=query.device)[None, :] <= qpos[:, None]
-                md.cache[("ref_mask", s)] = mask
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[start : start + q_len] = o.squeeze(0).transpose(0, 1)
-    return out
+        k = flat_k.index_select(0, slots).view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+        v = flat_v.index_select(0, slots).view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+        q = query.index_select(0, query_rows).view(n, max_q, num_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
+        if len(out_sel) != n * max_q:
+            o = o.index_select(0, out_sel)
+        if out_rows is None:
+            return o
+        if out is None:
+            out = torch.empty_like(query)
+        out.index_copy_(0, out_rows, o)
+    return out if out is not None else torch.empty_like(query)

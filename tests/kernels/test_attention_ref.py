@@ -20,14 +20,24 @@ def dense_attention(q, k, v, q_pos, scale):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
+# (context before this step, query tokens this step), in units of block_size where noted
+MIXED = "mixed"
+BATCHES = {
+    # decodes, a fresh prefill, a chunk after a cached prefix that starts mid-block, one block-aligned
+    MIXED: lambda bs: [(5, 1), (0, 17), (bs + 3, 20), (2 * bs, 1), (0, 1), (bs, bs)],
+    "decodes_only": lambda bs: [(5, 1), (bs - 1, 1), (3 * bs, 1)],
+    "one_prefill": lambda bs: [(bs + 7, 30)],
+    "prefills_then_decode": lambda bs: [(0, 3), (2, 40), (bs * 2 + 1, 1)],
+}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
-def test_mixed_batch_matches_dense_attention(block_size, num_heads, num_kv_heads):
+def test_batch_matches_dense_attention(batch, block_size, num_heads, num_kv_heads):
     g = torch.Generator().manual_seed(0)
     head_dim, num_blocks = 64, 64
-    # (context before this step, query tokens this step): decodes, a fresh prefill, a chunk after a
-    # cached prefix that starts mid-block, and one exactly block-aligned.
-    seqs = [(5, 1), (0, 17), (block_size + 3, 20), (2 * block_size, 1), (0, 1), (block_size, block_size)]
+    seqs = BATCHES[batch](block_size)
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
     k_cache[0] = 0  # block 0 is the null block: never allocated, kept zero
