@@ -27,7 +27,7 @@ class EngineConfig:
     dtype: ``float32`` | ``bfloat16`` | ``float16`` | ``auto`` (bf16 on CUDA, fp32 elsewhere).
     block_size: tokens per KV block (16, as vLLM's default).
     kv_cache_memory_bytes / num_kv_blocks: size of the KV pool; ``num_kv_blocks`` wins when both are
-        set. Neither: 256 MiB (on this model that is ~22k tokens).
+        set. Neither: 256 MiB, raised to hold at least one ``max_model_len`` sequence.
     max_model_len: context limit per request (prompt + output); default the model's
         ``max_position_embeddings``, capped by what the KV pool holds.
     max_num_seqs: cap on requests in one batch. max_num_batched_tokens: token budget per step

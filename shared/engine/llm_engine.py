@@ -84,15 +84,18 @@ class LLMEngine:
         self.backend = _attention_backend(config.attention_backend, device)
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.kv_spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, config.block_size, self.dtype)
+        model_max = int(getattr(mc, "max_position_embeddings", 8192))
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
-        else:
-            num_blocks = 1 + self.kv_spec.num_blocks_for(config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES)
+        elif config.kv_cache_memory_bytes is not None:
+            num_blocks = 1 + self.kv_spec.num_blocks_for(config.kv_cache_memory_bytes)
+        else:  # default: 256 MiB, and at least one full-length sequence
+            wanted = config.max_model_len or model_max
+            num_blocks = 1 + max(self.kv_spec.num_blocks_for(DEFAULT_KV_CACHE_BYTES), -(-wanted // config.block_size))
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
                              f"({self.kv_spec.bytes_per_block} bytes each)")
         capacity = (num_blocks - 1) * config.block_size
-        model_max = int(getattr(mc, "max_position_embeddings", capacity))
         if config.max_model_len is None:
             self.max_model_len = min(model_max, capacity)
         else:
