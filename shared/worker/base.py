@@ -62,6 +62,7 @@ class Worker:
             self.tasks.append(self.kv_events.start())
         await self.start_role()
         self.tasks += [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._abort_loop())]
+        self._engine_answered = time.monotonic()
         self.heartbeater = Heartbeater(self.registry, self.pod_info, self.settings.heartbeat_interval_s)
         try:
             await self.heartbeater.beat()  # routable before it reports healthy
@@ -177,8 +178,18 @@ class Worker:
     # registry
     async def pod_info(self) -> PodInfo:
         if self.engine_thread is not None and self.engine_thread.alive:
-            self.stats = await self.engine_thread.acall(self._stats_and_kv_events)
-            self.metrics.update_from_stats(self.stats)
+            # A long step (a big prefill on a busy CPU) must not hold the heartbeat past the pod TTL: beat
+            # with the last stats (the call still runs between steps) -- but not for an engine that has
+            # stopped answering: then no beat, and the pod expires.
+            fut = asyncio.ensure_future(self.engine_thread.acall(self._stats_and_kv_events))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late failure is not "never retrieved"
+            done, _ = await asyncio.wait({fut}, timeout=self.settings.heartbeat_interval_s)
+            if fut in done:
+                self.stats = fut.result()
+                self.metrics.update_from_stats(self.stats)
+                self._engine_answered = time.monotonic()
+            elif time.monotonic() - self._engine_answered > self.engine_stall_s:
+                raise RuntimeError(f"engine thread has not answered for {self.engine_stall_s:g} s")
         s = self.stats
         return PodInfo(
             pod_id=self.settings.pod_id, role=self.role, host=self.settings.advertise_host,
@@ -191,6 +202,8 @@ class Worker:
 
     http_port = 0
     kv_port = 0
+    engine_stall_s = 30.0
+    _engine_answered = 0.0
     colocated = False
 
     def queued_prefill_tokens(self) -> int:
