@@ -26,6 +26,7 @@ import click
 import torch
 
 MODEL = "smollm2-135m-instruct"
+ENGINE_MAX_MODEL_LEN = 1024
 
 
 def make_workload(n: int, seed: int, vocab: int, prompt_range=(16, 256), output_range=(8, 128)):
@@ -38,12 +39,12 @@ def make_workload(n: int, seed: int, vocab: int, prompt_range=(16, 256), output_
     return prompts, outputs
 
 
-def run_pdserve(prompts, outputs, dtype, kv_tokens: int | None) -> dict:
+def run_pdserve(prompts, outputs, dtype, kv_tokens: int) -> dict:
     from pdserve import LLM, SamplingParams
 
-    args = {"dtype": dtype, "max_num_seqs": 256, "max_num_batched_tokens": 2048, "max_model_len": 2048}
-    if kv_tokens:
-        args["num_kv_blocks"] = kv_tokens // 16 + 1
+    args = {"dtype": dtype, "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+            "max_model_len": ENGINE_MAX_MODEL_LEN,
+            "num_kv_blocks": kv_tokens // 16 + 1}
     llm = LLM(MODEL, **args)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
@@ -105,16 +106,20 @@ def run_hf_continuous(prompts, outputs, dtype) -> dict:
 @click.option("--dtypes", default="bfloat16,float32", show_default=True)
 @click.option("--hf-batch-size", default=32, show_default=True)
 @click.option("--kv-budget-tokens", default=8192, show_default=True,
-              help="KV pool for the fit measurement (tokens); the throughput run uses the same pool.")
+              help="KV pool of the fit measurement (tokens); the throughput runs get a pool that holds every request.")
 @click.option("--skip", multiple=True, type=click.Choice(["hf-static", "hf-continuous"]))
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def main(num_requests, seed, dtypes, hf_batch_size, kv_budget_tokens, skip, json_out) -> None:
     torch.manual_seed(seed)
     prompts, outputs = make_workload(num_requests, seed, 49152)
-    max_model_len = max(len(p) + o for p, o in zip(prompts, outputs))
+    longest = max(len(p) + o for p, o in zip(prompts, outputs))
+    whole = sum(-(-(len(p) + o) // 16) * 16 for p, o in zip(prompts, outputs))
     rows = []
+    fit = None
     for dtype in dtypes.split(","):
-        pd = run_pdserve(prompts, outputs, dtype, kv_budget_tokens)
+        pd = run_pdserve(prompts, outputs, dtype, whole)
+        if fit is None:  # the fit is a property of the scheduler and the workload, not of the dtype
+            fit = run_pdserve(prompts, outputs, dtype, kv_budget_tokens)["stats"]
         row = {"dtype": dtype, "pdserve_tok_s": pd["output_tokens"] / pd["seconds"], "pdserve_s": pd["seconds"]}
         if "hf-static" not in skip:
             hs = run_hf_static(prompts, outputs, dtype, hf_batch_size)
@@ -124,11 +129,13 @@ def main(num_requests, seed, dtypes, hf_batch_size, kv_budget_tokens, skip, json
             row["hf_continuous_tok_s"] = hc["output_tokens"] / hc["seconds"]
         s = pd["stats"]
         row["kv_utilization_at_peak"] = s["peak_kv_tokens_live"] / max(1, s["peak_kv_blocks_used"] * s["block_size"])
-        row["peak_running_seqs"] = s["peak_num_running"]
-        row["static_fit_seqs"] = kv_budget_tokens // max_model_len
+        row["peak_running_seqs"] = fit["peak_num_running"]
+        row["static_fit_seqs"] = kv_budget_tokens // ENGINE_MAX_MODEL_LEN
+        row["static_fit_seqs_workload_max"] = kv_budget_tokens // longest
         rows.append(row)
     click.echo(f"\nworkload: {num_requests} requests, prompts 16-256, outputs 8-128 tokens (seed {seed}), greedy, "
-               f"ignore_eos; KV budget {kv_budget_tokens} tokens; static reservation = max_model_len {max_model_len}")
+               f"ignore_eos; fit: KV budget {kv_budget_tokens} tokens, static reservation = max_model_len "
+               f"{ENGINE_MAX_MODEL_LEN} per sequence (longest request of the workload: {longest})")
     click.echo(f"{'dtype':<10}{'pdserve tok/s':>15}{'HF static':>12}{'HF cont.':>12}{'x static':>10}{'x cont.':>10}"
                f"{'KV util@peak':>14}{'seqs (paged/static)':>22}")
     for r in rows:
@@ -138,7 +145,8 @@ def main(num_requests, seed, dtypes, hf_batch_size, kv_budget_tokens, skip, json
                    f"{(r['pdserve_tok_s'] / hc) if hc else float('nan'):>10.2f}"
                    f"{r['kv_utilization_at_peak']:>14.3f}"
                    f"{r['peak_running_seqs']:>12d} / {r['static_fit_seqs']:<4d}"
-                   f" ({r['peak_running_seqs'] / max(1, r['static_fit_seqs']):.1f}x)")
+                   f" ({r['peak_running_seqs'] / max(1, r['static_fit_seqs']):.1f}x; "
+                   f"{r['peak_running_seqs'] / max(1, r['static_fit_seqs_workload_max']):.1f}x vs {longest})")
     if json_out:
         with open(json_out, "w") as f:
             json.dump(rows, f, indent=2)
