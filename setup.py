@@ -4,6 +4,16 @@
 ``pdserve.services``, ``pdserve.kernels`` and ``pdserve.loadtest`` are the folders of those names.
 """
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPy(build_py):
+    """The root package is the repository root: leave this build script out of it."""
+
+    def find_package_modules(self, package, package_dir):
+        modules = super().find_package_modules(package, package_dir)
+        return [m for m in modules if not (package == "pdserve" and m[1] == "setup")]
+
 
 TOP = ["shared", "services", "kernels", "loadtest"]
 subpackages = [p for p in find_packages(".") if p.split(".")[0] in TOP]
@@ -12,4 +22,5 @@ setup(
     packages=["pdserve"] + [f"pdserve.{p}" for p in subpackages],
     package_dir={"pdserve": "."},
     package_data={"pdserve.loadtest": ["*.json"]},
+    cmdclass={"build_py": BuildPy},
 )
