@@ -90,17 +90,32 @@ class PrefillWorker(Worker):
     async def _reclaim(self) -> None:
         idle_ms = int(self.settings.claim_idle_s * 1000)
         while True:
-            await asyncio.sleep(max(1.0, self.settings.claim_idle_s / 4))
+            await asyncio.sleep(max(0.5, self.settings.claim_idle_s / 4))
+            await self._touch()
             try:
-                _, claimed, _ = await self.redis.xautoclaim(keys.PREFILL_STREAM, keys.PREFILL_GROUP,
-                                                           self.settings.pod_id, idle_ms, "0-0", count=16)
+                # Redis 6.2 answers [next id, entries], Redis 7 adds the deleted ids
+                reply = await self.redis.xautoclaim(keys.PREFILL_STREAM, keys.PREFILL_GROUP,
+                                                    self.settings.pod_id, idle_ms, "0-0", count=16)
+                for msg_id, fields in reply[1]:
+                    if fields:
+                        logger.info("reclaimed queue entry %s from a dead prefill worker", msg_id)
+                        await self._admit(msg_id, fields)
             except (RedisError, OSError) as exc:
                 logger.warning("XAUTOCLAIM failed: %s", exc)
-                continue
-            for msg_id, fields in claimed:
-                if fields:
-                    logger.info("reclaimed queue entry %s from a dead prefill worker", msg_id)
-                    await self._admit(msg_id, fields)
+            except Exception:  # this loop is what recovers dead workers' entries: it must not die
+                logger.exception("reclaiming queue entries failed")
+
+    async def _touch(self) -> None:
+        """Reset the idle time of the entries this worker still holds (XCLAIM to itself, JUSTID), so a slow
+        prefill or transfer is never mistaken for a dead worker and reclaimed while it is still running."""
+        held = [msg_id for msg_id, _ in self.inflight.values()]
+        if not held:
+            return
+        try:
+            await self.redis.xclaim(keys.PREFILL_STREAM, keys.PREFILL_GROUP, self.settings.pod_id, 0, held,
+                                    justid=True)
+        except (RedisError, OSError) as exc:
+            logger.warning("XCLAIM of held entries failed: %s", exc)
 
     async def _ack(self, msg_id) -> None:
         await self.redis.xack(keys.PREFILL_STREAM, keys.PREFILL_GROUP, msg_id)

@@ -40,7 +40,8 @@ from .middleware import GuardMiddleware, StatusCounter
 from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, generation_defaults,
                      requested_max_tokens)
 from .prompts import PromptProcessor
-from .relay import abort_requests, read_outputs
+from .migration import Migrator
+from .relay import ChoiceRoute, OutputRelay, abort_requests
 from .responses import ResponseBuilder
 from .schemas import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                       TokenizeCompletionRequest)
@@ -72,6 +73,7 @@ class Job:
     arrival: float
     builder: ResponseBuilder
     closed: bool = False
+    routes: list[ChoiceRoute] = field(default_factory=list)  # per choice: its current request and tokens sent
 
 
 def _version() -> str:
@@ -323,6 +325,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                     priority=req.priority, choice_index=prompt_index * p.n + j) for j in range(p.n)]
                 await st.dispatcher.enqueue(placement, choices)
                 pods.extend([pod.pod_id] * p.n)
+                job.routes.extend(ChoiceRoute(c.request_id, pod.pod_id, c.prompt_token_ids, c.sampling_params,
+                                              c.cache_salt, c.priority) for c in choices)
                 st.metrics.pd_decisions.labels(settings.served_name,
                                                "local" if placement.local_prefill else "remote").inc(p.n)
                 logger.info("request %s: %d prompt tokens, n=%d -> decode pod %s (%s prefill)", response_id,
@@ -364,7 +368,13 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
     async def events(st: RouterState, job: Job) -> AsyncIterator[tuple[int, OutputEvent]]:
         timings = [_ChoiceTiming(job.arrival) for _ in job.request_ids]
         try:
-            async for index, event in read_outputs(st.redis, job.request_ids, settings.request_timeout_s):
+            migrate = Migrator(st.redis, st.dispatcher, job, settings.model, settings.max_migrations,
+                               settings.migration_pod_gone_wait_s,
+                               lambda reason: st.metrics.migrations.labels(
+                                   settings.served_name, "error" if reason.startswith("worker") else "stall").inc())
+            relay = OutputRelay(st.redis, job.routes, settings.request_timeout_s, settings.migration_stall_s,
+                                migrate if settings.migration_stall_s else None)
+            async for index, event in relay:
                 timings[index].on_event(st.metrics, event)
                 if event.error is not None:
                     err = event.error

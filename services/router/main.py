@@ -32,6 +32,9 @@ from .settings import RouterSettings
 @click.option("--max-concurrent-requests", type=int, default=None,
               help="Requests served at once; more get 429 (0 = no limit).")
 @click.option("--request-timeout-s", type=float, default=None, help="Abort after this long without output.")
+@click.option("--migration-stall-s", type=float, default=None,
+              help="Move a stalled choice off a decode pod that left the registry after this long (0 = never).")
+@click.option("--max-migrations", type=int, default=None, help="Moves per choice before it fails with 503.")
 @click.option("--log-level", default=None, help="debug|info|warning|error [PDSERVE_LOG_LEVEL].")
 def command(**flags: Any) -> None:
     """Run the router (OpenAI-compatible REST gateway). Flags override PDSERVE_* environment variables."""

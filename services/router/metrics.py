@@ -51,6 +51,8 @@ class RouterMetrics:
                                m + ["reason"], registry=r)
         self.pd_decisions = Counter("pdserve:pd_decisions", "Prefill placement decisions",
                                     m + ["decision"], registry=r)
+        self.migrations = Counter("pdserve:request_migrations", "Choices moved off a dead decode pod",
+                                  m + ["reason"], registry=r)
         # KV-aware routing: chosen pods, and the prompt blocks the chosen pod already held (expected hit rate)
         self.routing_decisions = Counter("pdserve:routing_decisions", "Decode pods chosen, by routing mode",
                                          m + ["mode", "pod"], registry=r)

@@ -3,13 +3,23 @@
 One ``XREAD BLOCK`` covers all choices of a request (their streams side by side), so n > 1 costs one
 round trip per batch of events. Reading starts at id ``0``: events written before the router started
 reading are not lost.
+
+``OutputRelay`` also makes the stream the client sees exactly-once when workers fail:
+  * events are deduplicated by their cumulative ``completion_tokens``: a prefill worker that died after
+    emitting the first token has its queue entry reclaimed by another, which emits that token again —
+    the client gets it once;
+  * a choice whose output stalls (no event for ``stall_s``) or whose worker reports a retryable 503 is
+    handed to ``migrate`` (the app re-enqueues it, under a new internal request id, with the prompt plus
+    the tokens already relayed); the relay then reads the new stream and renumbers its events so
+    ``completion_tokens`` continue where the client is.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from redis.asyncio import Redis
 
@@ -21,39 +31,146 @@ from .errors import OpenAIError
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class ChoiceRoute:
+    """Where one choice's output comes from now, and what its client already received.
+
+    ``request_id``/``pod_id``: the current internal request and its decode pod (both change on migration).
+    ``token_ids``: completion tokens relayed so far; ``base``: how many of them were relayed before the
+    current ``request_id`` started (its events count from there).
+    """
+
+    request_id: str
+    pod_id: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str | None = None
+    priority: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    base: int = 0
+    migrations: int = 0
+    last_event: float = field(default_factory=time.monotonic)
+    last_check: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+
+# migrate(choice_index, route, reason) -> True when the route now points at a new request; may raise OpenAIError.
+Migrate = Callable[[int, ChoiceRoute, str], Awaitable[bool]]
+
+
+def is_retryable(error: dict[str, Any] | None) -> bool:
+    """A worker error worth migrating for: the decode pod it needed is unreachable (503)."""
+    return bool(error) and int(error.get("code") or 0) == 503
+
+
+def accept(route: ChoiceRoute, event: OutputEvent) -> OutputEvent | None:
+    """``event`` renumbered onto what the client has, without tokens it already got; None to drop it."""
+    n_new = len(event.token_ids)
+    total = event.completion_tokens + route.base if event.completion_tokens else len(route.token_ids) + n_new
+    before = total - n_new  # completion tokens that preceded this event's
+    have = len(route.token_ids)
+    if before > have:
+        logger.warning("request %s: output skips tokens %d..%d", route.request_id, have, before)
+    skip = max(0, have - before)
+    if skip:
+        if skip >= n_new and not event.finished:
+            return None  # a replay (reclaimed prefill re-emitting its first token)
+        event.token_ids = event.token_ids[skip:]
+        if event.logprobs is not None:
+            event.logprobs = event.logprobs[skip:]
+        if not event.token_ids:
+            event.text = ""
+    route.token_ids.extend(event.token_ids)
+    event.completion_tokens = max(total, len(route.token_ids))
+    event.prompt_tokens = len(route.prompt_token_ids) or event.prompt_tokens
+    return event
+
+
+class OutputRelay:
+    """Yields ``(choice_index, event)`` until every choice has its final event (see the module doc).
+
+    Raises ``OpenAIError(504)`` when no event arrives for ``idle_timeout_s``, ``OpenAIError(500)`` for an entry
+    that is not an ``OutputEvent``. Deletes each output stream once its final event is read.
+    """
+
+    def __init__(self, redis: Redis, routes: list[ChoiceRoute], idle_timeout_s: float, stall_s: float = 0.0,
+                 migrate: Migrate | None = None, block_ms: int = 1000) -> None:
+        self.redis = redis
+        self.routes = routes
+        self.idle_timeout_s = idle_timeout_s
+        self.stall_s = stall_s
+        self.migrate = migrate
+        self.block_ms = block_ms
+
+    async def _try_migrate(self, index: int, route: ChoiceRoute, reason: str,
+                           last_ids: dict[int, tuple[str, str]]) -> bool:
+        if self.migrate is None:
+            return False
+        old = route.request_id
+        if not await self.migrate(index, route, reason):
+            return False
+        logger.info("request %s (choice %d) migrated to %s on pod %s after %d tokens (%s)", old, index,
+                    route.request_id, route.pod_id, len(route.token_ids), reason)
+        route.base = len(route.token_ids)
+        route.last_event = route.last_check = time.monotonic()
+        last_ids[index] = (keys.output_stream(route.request_id), "0-0")
+        return True
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, OutputEvent]]:
+        last_ids = {i: (keys.output_stream(r.request_id), "0-0") for i, r in enumerate(self.routes) if not r.done}
+        last_any = time.monotonic()
+        block_ms = self.block_ms if not self.stall_s else max(50, min(self.block_ms, int(self.stall_s * 500)))
+        while last_ids:
+            by_name = {name: i for i, (name, _) in last_ids.items()}
+            reply = await self.redis.xread({name: last for name, last in last_ids.values()}, block=block_ms, count=256)
+            now = time.monotonic()
+            if reply:
+                last_any = now
+            elif now - last_any > self.idle_timeout_s:
+                raise OpenAIError(504, f"No output for {self.idle_timeout_s:g} s; the request was aborted")
+            for stream, entries in reply or []:
+                name = stream.decode() if isinstance(stream, bytes) else stream
+                index = by_name.get(name)
+                if index is None or index not in last_ids or last_ids[index][0] != name:
+                    continue
+                route = self.routes[index]
+                route.last_event = route.last_check = now
+                for entry_id, fields in entries:
+                    last_ids[index] = (name, entry_id)
+                    try:
+                        event = OutputEvent.decode(fields)
+                    except MessageError as exc:
+                        logger.error("bad output event on %s: %s", name, exc)
+                        raise OpenAIError(500, "A worker sent an unreadable output event") from exc
+                    if event.error is not None and is_retryable(event.error):
+                        await self.redis.delete(name)
+                        if await self._try_migrate(index, route, "worker error: " + str(event.error.get("message")),
+                                                   last_ids):
+                            break
+                    accepted = accept(route, event)
+                    if accepted is None:
+                        continue
+                    yield index, accepted
+                    if accepted.finished:
+                        route.done = True
+                        del last_ids[index]
+                        await self.redis.delete(name)
+                        break
+            if self.stall_s and self.migrate is not None:
+                for index in list(last_ids):
+                    route = self.routes[index]
+                    if now - route.last_check >= self.stall_s:
+                        route.last_check = now
+                        await self._try_migrate(index, route, f"no output for {now - route.last_event:.1f} s",
+                                                last_ids)
+
+
 async def read_outputs(redis: Redis, request_ids: list[str], idle_timeout_s: float,
                        block_ms: int = 1000) -> AsyncIterator[tuple[int, OutputEvent]]:
-    """Yield ``(choice_index, event)`` until every request has sent its final event.
-
-    Raises ``OpenAIError(504)`` when no event arrives for ``idle_timeout_s`` seconds, and ``OpenAIError(500)``
-    for an entry that is not an ``OutputEvent``. Deletes each output stream once its final event is read.
-    """
-    streams = {keys.output_stream(rid): i for i, rid in enumerate(request_ids)}
-    last_ids = {name: "0-0" for name in streams}
-    last_event = time.monotonic()
-    while last_ids:
-        reply = await redis.xread(last_ids, block=block_ms, count=256)
-        if not reply:
-            if time.monotonic() - last_event > idle_timeout_s:
-                raise OpenAIError(504, f"No output for {idle_timeout_s:g} s; the request was aborted")
-            continue
-        last_event = time.monotonic()
-        for stream, entries in reply:
-            name = stream.decode() if isinstance(stream, bytes) else stream
-            if name not in last_ids:
-                continue
-            for entry_id, fields in entries:
-                last_ids[name] = entry_id
-                try:
-                    event = OutputEvent.decode(fields)
-                except MessageError as exc:
-                    logger.error("bad output event on %s: %s", name, exc)
-                    raise OpenAIError(500, "A worker sent an unreadable output event") from exc
-                yield streams[name], event
-                if event.finished:
-                    del last_ids[name]
-                    await redis.delete(name)
-                    break
+    """``OutputRelay`` without migration: ``(choice_index, event)`` until every request sent its final event."""
+    relay = OutputRelay(redis, [ChoiceRoute(rid) for rid in request_ids], idle_timeout_s, block_ms=block_ms)
+    async for item in relay:
+        yield item
 
 
 async def abort_requests(redis: Redis, request_ids: list[str]) -> None:

@@ -44,6 +44,13 @@ class RouterSettings(BaseSettings):
     registry_cache_s: float = Field(0.5, ge=0)
     # A request that sees no output event for this long is aborted with 504 (s).
     request_timeout_s: float = Field(600.0, gt=0)
+    # A choice with no output event for this long is checked: if its decode pod left the registry (heartbeats
+    # stopped), it is re-enqueued to another pod with the tokens already sent (0 = never migrate).
+    migration_stall_s: float = Field(2.0, ge=0)
+    # How often one choice may be moved to another decode pod before it fails with 503.
+    max_migrations: int = Field(3, ge=0)
+    # A worker's 503 (decode pod unreachable) migrates once the pod has left the registry within this long (s).
+    migration_pod_gone_wait_s: float = Field(10.0, ge=0)
     # Requests this router serves at once; one more gets 429 with Retry-After (0 = no limit).
     max_concurrent_requests: int = Field(0, ge=0)
     # Retry-After (s) sent with 503 when no decode pod is alive, and with 429.

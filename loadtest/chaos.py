@@ -1,0 +1,429 @@
+"""Fault injection against a real ensemble: kill pods, stop them, restart Redis, disconnect clients — and count
+what every request got.
+
+    python -m pdserve.loadtest.chaos --requests 16 --max-tokens 16
+
+starts its own ensemble (real redis-server, registry, router, prefill and decode workers as processes, the
+same children ``pdserve up`` starts), runs each scenario under load and prints one row per scenario:
+sent, completed, failed with a clear error (an OpenAI error body or error chunk naming the cause), lost
+(no answer, a broken stream, a 5xx without an error body — must be 0), wrong (a completed greedy answer
+that differs from the uninterrupted run's, or duplicated/missing tokens) and the p99 latency of the
+completed requests. ``tests/chaos`` runs the same scenarios small, as assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import click
+import httpx
+import redis as redis_sync
+
+from pdserve.services import up
+from pdserve.shared.protocol import keys
+
+MODEL = "smollm2-135m-instruct"
+
+
+# ---- the ensemble ------------------------------------------------------------------------------------------
+
+
+class Cluster:
+    """The children of ``pdserve up`` (``services.up.plan``), started and faulted one by one.
+
+    ``env``: extra ``PDSERVE_*`` settings for every child (e.g. ``PDSERVE_CLAIM_IDLE_S``). ``redis_url``: use
+    this Redis (a test's ``RedisServer``) instead of starting one.
+    """
+
+    def __init__(self, num_prefill: int = 1, num_decode: int = 1, env: dict[str, str] | None = None,
+                 redis_url: str | None = None, log_dir: Path | None = None, startup_timeout_s: float = 600.0) -> None:
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
+        self.opts = up.UpOptions(num_prefill=num_prefill, num_decode=num_decode, port=up.free_port(),
+                                 redis_url=redis_url, log_dir=self.log_dir, engine=dict(env or {}),
+                                 startup_timeout_s=startup_timeout_s)
+        self.children: list[up.Child] = []
+        self.ensemble: up.Ensemble | None = None
+
+    def __enter__(self) -> Cluster:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children = up.plan(self.opts, self.log_dir)
+        self.ensemble = up.Ensemble(self.children, echo=lambda *a, **k: None)
+        try:
+            self.ensemble.start(self.opts.startup_timeout_s)
+        except BaseException:
+            self.ensemble.stop(10)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ensemble is not None:
+            for child in self.children:
+                child.signal_group(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+            self.ensemble.stop(10)
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.opts.port}"
+
+    @property
+    def redis_url(self) -> str:
+        return up.external_redis_url(self.opts) or next(c.redis_url for c in self.children if c.name == "redis")
+
+    @property
+    def registry_url(self) -> str:
+        return self.child("registry").health_url.removesuffix("/health")
+
+    def child(self, name: str) -> up.Child:
+        return next(c for c in self.children if c.name == name)
+
+    def names(self, role: str) -> list[str]:
+        return [c.name for c in self.children if c.name.startswith(role + "-") and c.exited() is None]
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: no shutdown code runs (a node loss, an OOM kill)."""
+        child = self.child(name)
+        child.signal_group(signal.SIGKILL)
+        child.proc.wait(30)
+
+    def pause(self, *names: str) -> None:
+        for name in names:
+            self.child(name).signal_group(signal.SIGSTOP)
+
+    def resume(self, *names: str) -> None:
+        for name in names:
+            self.child(name).signal_group(signal.SIGCONT)
+
+    def stats(self, name: str) -> dict[str, Any]:
+        url = self.child(name).health_url.removesuffix("/health") + "/v1/stats"
+        return httpx.get(url, timeout=10).json()
+
+    def log(self, name: str) -> str:
+        return self.child(name).log_path.read_text(errors="replace")
+
+    def redis(self) -> redis_sync.Redis:
+        return redis_sync.Redis.from_url(self.redis_url, socket_timeout=5)
+
+
+def leftovers(cluster: Cluster) -> dict[str, Any]:
+    """What finished requests may not leave behind: blocks, leases, pending queue entries, output streams."""
+    r = cluster.redis()
+    try:
+        out_streams = [k.decode() for k in r.scan_iter(match="pdserve:out:*", count=1000)]
+        try:
+            pending = r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"]
+        except redis_sync.ResponseError:
+            pending = 0
+    finally:
+        r.close()
+    decode = {}
+    for name in cluster.names("decode"):
+        s = cluster.stats(name)
+        decode[name] = {k: s.get(k) for k in ("kv_blocks_used", "kv_active_leases", "num_running", "num_waiting",
+                                              "requests_tracked")}
+    prefill = {}
+    for name in cluster.names("prefill"):
+        s = cluster.stats(name)
+        prefill[name] = {k: s.get(k) for k in ("num_running", "num_waiting", "requests_tracked")}
+    return {"output_streams": out_streams, "pending": pending, "decode": decode, "prefill": prefill}
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+# ---- the client ----------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one request got. ``kind``: completed | clear_error | lost; ``wrong``: completed, but not the
+    expected text (or a token count that does not match the text the client received)."""
+
+    status: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    error: dict[str, Any] | None = None
+    latency_s: float = 0.0
+    done: bool = False  # saw [DONE] (stream) or a whole body
+    exception: str | None = None
+    retry_after: str | None = None
+    wrong: bool = False
+
+    @property
+    def kind(self) -> str:
+        if self.exception is None and self.error is None and self.status == 200 and self.done \
+                and self.finish_reason in ("stop", "length"):
+            return "completed"
+        if self.error is not None and self.error.get("message") and (self.status != 200 or self.done):
+            return "clear_error"
+        return "lost"
+
+
+async def completion(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, stream: bool = True,
+                     disconnect_after: int | None = None, on_token: Callable[[int], None] | None = None,
+                     **extra: Any) -> Outcome:
+    """One greedy ``/v1/completions`` request. ``disconnect_after``: hang up after that many text chunks
+    (an abort storm's client); ``on_token(n)`` is called with the number of text chunks received so far."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            **extra}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    out = Outcome()
+    started = time.monotonic()
+    try:
+        if not stream:
+            resp = await client.post(f"{url}/v1/completions", json=body)
+            out.status = resp.status_code
+            out.retry_after = resp.headers.get("retry-after")
+            data = resp.json()
+            if resp.status_code == 200:
+                out.text = data["choices"][0]["text"]
+                out.finish_reason = data["choices"][0]["finish_reason"]
+                out.completion_tokens = data["usage"]["completion_tokens"]
+                out.done = True
+            else:
+                out.error = data.get("error")
+            return out
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            out.status = resp.status_code
+            out.retry_after = resp.headers.get("retry-after")
+            if resp.status_code != 200:
+                await resp.aread()
+                out.error = resp.json().get("error")
+                return out
+            chunks = 0
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[len("data: "):]
+                if payload == "[DONE]":
+                    out.done = True
+                    break
+                data = json.loads(payload)
+                if "error" in data:
+                    out.error = data["error"]
+                    continue
+                if data.get("usage"):
+                    out.completion_tokens = data["usage"]["completion_tokens"]
+                for choice in data.get("choices") or []:
+                    if choice.get("text"):
+                        out.text += choice["text"]
+                        chunks += 1
+                        if on_token is not None:
+                            on_token(chunks)
+                    if choice.get("finish_reason"):
+                        out.finish_reason = choice["finish_reason"]
+                if disconnect_after is not None and chunks >= disconnect_after:
+                    out.exception = "disconnected by the client"
+                    return out
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as exc:
+        out.exception = f"{type(exc).__name__}: {exc}"
+    finally:
+        out.latency_s = time.monotonic() - started
+    return out
+
+
+def prompts(n: int, words: int = 120, seed: int = 0) -> list[str]:
+    """``n`` distinct prompts of about ``words`` words (different from the first word, so no shared prefix)."""
+    rng = random.Random(seed)
+    vocab = ("river mountain cloud lantern harbor meadow copper violet engine garden silver winter orbit "
+             "canyon forest marble signal thunder pepper falcon quartz ember island velvet").split()
+    return [f"Story {i}: " + " ".join(rng.choice(vocab) for _ in range(words)) + "\nSummary:" for i in range(n)]
+
+
+# ---- the tally -------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Tally:
+    scenario: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for o in self.outcomes if o.kind == kind)
+
+    @property
+    def wrong(self) -> int:
+        return sum(1 for o in self.outcomes if o.kind == "completed" and o.wrong)
+
+    def p99(self) -> float | None:
+        lat = sorted(o.latency_s for o in self.outcomes if o.kind == "completed")
+        if not lat:
+            return None
+        return lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
+
+    def row(self) -> list[str]:
+        p99 = self.p99()
+        return [self.scenario, str(self.sent), str(self.count("completed")), str(self.count("clear_error")),
+                str(self.count("lost")), str(self.wrong), "-" if p99 is None else f"{p99:.2f}", self.note]
+
+
+def table(tallies: list[Tally]) -> str:
+    head = ["scenario", "sent", "completed", "clear errors", "lost", "wrong", "p99 s", "note"]
+    rows = [head] + [t.row() for t in tallies]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+# ---- scenarios -------------------------------------------------------------------------------------------------
+
+
+async def reference(url: str, texts: list[str], max_tokens: int, **extra: Any) -> list[Outcome]:
+    """The uninterrupted run's answers (greedy), one request at a time."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        return [await completion(client, url, p, max_tokens, stream=False, **extra) for p in texts]
+
+
+def check(outcomes: list[Outcome], expected: list[Outcome]) -> None:
+    for got, want in zip(outcomes, expected):
+        if got.kind == "completed":
+            got.wrong = got.text != want.text or got.completion_tokens != want.completion_tokens
+
+
+def _out_streams_with_events(r: redis_sync.Redis) -> int:
+    return sum(1 for k in r.scan_iter(match="pdserve:out:*", count=1000) if r.xlen(k) > 0)
+
+
+async def prefill_kill(cluster: Cluster, n: int, max_tokens: int, wait_s: float = 6.0) -> Tally:
+    """SIGKILL the prefill worker holding the most queue entries after the first tokens went out but before the
+    KV hand-over (the decode pods are stopped meanwhile, so the hand-over cannot complete and the entries stay
+    pending); the surviving prefill workers reclaim them after ``claim_idle_s`` and prefill them again, so the
+    first tokens are emitted twice — the client must see them once. ``wait_s`` must stay below the registry's
+    pod TTL (stopped decode pods do not heartbeat)."""
+    texts = prompts(n, seed=1)
+    want = await reference(cluster.router_url, texts, max_tokens)
+    decode = cluster.names("decode")
+    r = cluster.redis()
+    cluster.pause(*decode)
+    try:
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(completion(client, cluster.router_url, p, max_tokens)) for p in texts]
+            await asyncio.to_thread(wait_for, lambda: _out_streams_with_events(r) >= n, wait_s)
+            emitted = _out_streams_with_events(r)
+            holders = {c["name"].decode() if isinstance(c["name"], bytes) else c["name"]: c["pending"]
+                       for c in r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["consumers"]}
+            victim = max(holders, key=holders.get) if holders else cluster.names("prefill")[0]
+            cluster.kill(victim)
+            cluster.resume(*decode)
+            outcomes = await asyncio.gather(*tasks)
+    finally:
+        cluster.resume(*decode)
+        r.close()
+    check(outcomes, want)
+    return Tally("prefill worker SIGKILL", list(outcomes),
+                 f"{emitted}/{n} first tokens out, {holders.get(victim, 0)} entries held by {victim} at the kill")
+
+
+async def decode_kill(cluster: Cluster, n: int, max_tokens: int) -> Tally:
+    """SIGKILL a decode worker while it generates (after every client got 3 tokens); its requests move to a
+    live decode pod with the tokens already sent."""
+    texts = prompts(n, seed=2)
+    want = await reference(cluster.router_url, texts, max_tokens, ignore_eos=True)
+    progress = [0] * n
+    async with httpx.AsyncClient(timeout=120) as client:
+        def on_token(i: int) -> Callable[[int], None]:
+            return lambda count: progress.__setitem__(i, count)
+        tasks = [asyncio.create_task(completion(client, cluster.router_url, p, max_tokens, ignore_eos=True,
+                                                on_token=on_token(i))) for i, p in enumerate(texts)]
+        while min(progress) < 3 and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.02)
+        busy = [name for name in cluster.names("decode") if cluster.stats(name).get("num_running", 0) > 0]
+        victim = busy[0] if busy else cluster.names("decode")[0]
+        cluster.kill(victim)
+        outcomes = await asyncio.gather(*tasks)
+    check(outcomes, want)
+    moved = sum(1 for o in outcomes if o.kind == "completed")
+    return Tally("decode worker SIGKILL", list(outcomes), f"killed {victim} mid-generation; {moved} finished")
+
+
+async def no_decode_left(cluster: Cluster, n: int, max_tokens: int) -> Tally:
+    """Every decode worker killed: requests get a clear 503, never hang."""
+    for name in cluster.names("decode"):
+        cluster.kill(name)
+    async with httpx.AsyncClient(timeout=120) as client:
+        outcomes = await asyncio.gather(*[completion(client, cluster.router_url, p, max_tokens)
+                                          for p in prompts(n, seed=3)])
+    return Tally("no decode pod left", list(outcomes), "503 expected")
+
+
+async def abort_storm(cluster: Cluster, n: int, max_tokens: int, seed: int = 0) -> Tally:
+    """``n`` streaming clients, each hanging up after a random number of tokens (0 = before the first)."""
+    rng = random.Random(seed)
+    texts = prompts(n, words=40, seed=4)
+    async with httpx.AsyncClient(timeout=300) as client:
+        outcomes = await asyncio.gather(*[completion(client, cluster.router_url, p, max_tokens, ignore_eos=True,
+                                                     disconnect_after=rng.randint(0, max_tokens - 1))
+                                          for p in texts])
+    tally = Tally("abort storm", [], "clients hang up at random; counted: cleanup")
+    for o in outcomes:  # a client that hung up got what it asked for
+        if o.exception == "disconnected by the client":
+            o.exception, o.status, o.done, o.finish_reason = None, 200, True, "stop"
+        tally.outcomes.append(o)
+    return tally
+
+
+async def overload(url: str, n: int, max_tokens: int) -> Tally:
+    """``n`` requests at once against a router with admission limits: the surplus gets 429 + Retry-After."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        outcomes = await asyncio.gather(*[completion(client, url, p, max_tokens, stream=False)
+                                          for p in prompts(n, words=30, seed=5)])
+    for o in outcomes:
+        if o.status == 429 and not o.retry_after:
+            o.error = None  # a 429 without Retry-After is not a clear answer
+    return Tally("overload (all at once)", list(outcomes), "429 + Retry-After above the limits")
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+
+
+@click.command("chaos")
+@click.option("--requests", "n", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests per fault scenario.")
+@click.option("--storm", type=click.IntRange(min=1), default=200, show_default=True, help="Abort-storm clients.")
+@click.option("--max-tokens", type=click.IntRange(min=4), default=16, show_default=True)
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+def command(n: int, storm: int, max_tokens: int, log_dir: Path | None) -> None:
+    """Run every fault scenario against a fresh local ensemble and print the table."""
+    env = {"PDSERVE_CLAIM_IDLE_S": "3", "PDSERVE_POD_TTL_S": "4", "PDSERVE_MIGRATION_STALL_S": "1",
+           "PDSERVE_DTYPE": "float32"}
+    tallies: list[Tally] = []
+    with Cluster(2, 2, env, log_dir=log_dir) as cluster:
+        click.echo(f"ensemble up (logs in {cluster.log_dir})", err=True)
+        tallies.append(asyncio.run(abort_storm(cluster, storm, max_tokens)))
+        left = wait_for(lambda: (lambda s: not s["output_streams"] and not s["pending"] and all(
+            d["kv_blocks_used"] == 0 and d["kv_active_leases"] == 0 for d in s["decode"].values()) and s)(
+                leftovers(cluster)), 30)
+        tallies[-1].note += "; leftovers: " + ("none" if left else json.dumps(leftovers(cluster)))
+        tallies.append(asyncio.run(prefill_kill(cluster, n, max_tokens)))
+        tallies.append(asyncio.run(decode_kill(cluster, n, max_tokens * 2)))
+        tallies.append(asyncio.run(no_decode_left(cluster, n, max_tokens)))
+    click.echo(table(tallies))
+    if any(t.count("lost") or t.wrong for t in tallies):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    command()

@@ -1,0 +1,89 @@
+"""Moving a choice off a dead decode pod: re-enqueue it with its prompt plus the tokens the client already
+has, ``max_tokens``/``min_tokens`` reduced by as many, to a live pod (the dispatcher's usual choice).
+
+A choice is migrated when its decode pod has left the registry (its heartbeats stopped: the pod died or
+is cut off) while its output stalled, or when a worker reported that the pod is unreachable (503, e.g. the
+KV transfer failed). The old internal request is aborted, so a pod that was only slow cannot write into
+the client's stream as well. With greedy sampling the continuation equals an uninterrupted run's (same
+tokens, same context); a seeded sampled request continues from a new generator state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from pdserve.shared.protocol.messages import PrefillRequest
+
+from .errors import OpenAIError
+from .relay import ChoiceRoute, abort_requests
+
+logger = logging.getLogger(__name__)
+
+
+class Migrator:
+    """``migrate(index, route, reason)`` for one job's ``OutputRelay``.
+
+    ``job`` has ``request_ids`` and ``pods`` lists indexed by choice, kept current so that an abort or the
+    dispatcher's in-flight counts follow the migrated request. ``pod_gone_wait_s`` bounds how long a worker's
+    503 waits for the pod to leave the registry (a pod that stays is alive: the error is the client's).
+    """
+
+    def __init__(self, redis: Any, dispatcher: Any, job: Any, model: str, max_migrations: int,
+                 pod_gone_wait_s: float, on_migrated: Any = None) -> None:
+        self.redis = redis
+        self.dispatcher = dispatcher
+        self.job = job
+        self.model = model
+        self.max_migrations = max_migrations
+        self.pod_gone_wait_s = pod_gone_wait_s
+        self.on_migrated = on_migrated
+
+    async def pod_alive(self, pod_id: str) -> bool:
+        try:
+            pods = await self.dispatcher.pods("decode")
+        except OpenAIError:
+            return True  # registry unreachable: no evidence the pod died; keep waiting
+        return any(p.pod_id == pod_id for p in pods)
+
+    async def __call__(self, index: int, route: ChoiceRoute, reason: str) -> bool:
+        if reason.startswith("worker error"):
+            deadline = time.monotonic() + self.pod_gone_wait_s
+            while await self.pod_alive(route.pod_id):
+                if time.monotonic() > deadline:
+                    return False
+                await asyncio.sleep(0.5)
+        elif await self.pod_alive(route.pod_id):
+            return False
+        if route.migrations >= self.max_migrations:
+            raise OpenAIError(503, f"The request lost its decode pod {route.migrations + 1} times; giving up",
+                              headers={"Retry-After": "1"})
+        params = dict(route.sampling_params)
+        sent = len(route.token_ids)
+        if params.get("max_tokens") is not None:
+            params["max_tokens"] = max(1, int(params["max_tokens"]) - sent)
+        params["min_tokens"] = max(0, int(params.get("min_tokens") or 0) - sent)
+        ids = list(route.prompt_token_ids) + list(route.token_ids)
+        placement = await self.dispatcher.place(len(ids), ids, route.cache_salt)  # 503 when no decode pod is left
+        route.migrations += 1
+        stem = self.job.request_ids[index].split("~m")[0]
+        new_id = f"{stem}~m{route.migrations}"
+        await abort_requests(self.redis, [route.request_id])
+        request = PrefillRequest(request_id=new_id, model=self.model, prompt_token_ids=ids, sampling_params=params,
+                                 decode_pod_id=placement.pod.pod_id, decode_host=placement.pod.host,
+                                 decode_kv_port=int(placement.pod.kv_port), arrival_time=time.time(),
+                                 cache_salt=route.cache_salt, priority=route.priority, choice_index=index)
+        await self.dispatcher.enqueue(placement, [request])
+        old_pod = self.job.pods[index] if index < len(self.job.pods) else route.pod_id
+        self.dispatcher.finished(old_pod, 1)
+        if index < len(self.job.pods):
+            self.job.pods[index] = placement.pod.pod_id
+        self.job.request_ids[index] = new_id
+        logger.warning("request %s lost decode pod %s (%s); continuing on %s after %d tokens", route.request_id,
+                       route.pod_id, reason, placement.pod.pod_id, sent)
+        route.request_id, route.pod_id = new_id, placement.pod.pod_id
+        if self.on_migrated is not None:
+            self.on_migrated(reason)
+        return True
