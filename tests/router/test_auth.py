@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import RouterServer, start_router
+from router_harness import RouterServer, start_router
 from pdserve.services.router.middleware import key_matches
 from pdserve.services.router.settings import RouterSettings
 

@@ -12,7 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from conftest import RouterServer, start_router
+from router_harness import RouterServer, start_router
 from pdserve.services.router.dispatch import pick_decode_pod
 from pdserve.services.router.settings import RouterSettings
 from pdserve.shared.protocol import keys

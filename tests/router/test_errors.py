@@ -159,7 +159,7 @@ def test_no_decode_pod_gets_503_with_retry_after(router, worker):
 
 
 def test_unreachable_registry_gets_503(redis_url, processor, pods, worker):
-    from conftest import free_port, start_router
+    from router_harness import free_port, start_router
     from pdserve.services.router.settings import RouterSettings
 
     dead = start_router(RouterSettings(redis_url=redis_url, registry_url=f"http://127.0.0.1:{free_port()}"),
@@ -178,7 +178,7 @@ def test_unknown_route_and_method_get_openai_bodies(router):
 
 
 def test_redis_down_gets_503_and_unhealthy(registry_url, processor, pods):
-    from conftest import free_port, start_router
+    from router_harness import free_port, start_router
     from pdserve.services.router.settings import RouterSettings
 
     down = start_router(RouterSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0", registry_url=registry_url),
@@ -215,7 +215,7 @@ def test_bad_client_request_id_is_refused_and_a_reused_one_still_works(router, w
 
 def test_request_over_the_concurrency_limit_gets_429_with_retry_after(redis_url, registry_url, processor, pods,
                                                                      worker):
-    from conftest import start_router
+    from router_harness import start_router
     from pdserve.services.router.settings import RouterSettings
 
     worker.delay_s = 0.05

@@ -160,7 +160,7 @@ def test_worker_error_mid_stream_is_an_sse_error_event_then_done(router, worker)
 def test_request_without_output_times_out_with_504_and_is_aborted(redis_url, registry_url, processor, pods,
                                                                   redis_client):
     """No worker at all: the router gives up after request_timeout_s and aborts the queued request."""
-    from conftest import start_router
+    from router_harness import start_router
     from pdserve.services.router.settings import RouterSettings
 
     server = start_router(RouterSettings(redis_url=redis_url, registry_url=registry_url, request_timeout_s=1.0),

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import free_port
+from router_harness import free_port
 
 
 @pytest.fixture

@@ -1,0 +1,86 @@
+"""Helpers for the router tests (a uniquely named module: several test folders have a conftest.py)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+
+from pdserve.services.router.app import create_app
+from pdserve.services.router.prompts import PromptProcessor
+from pdserve.services.router.settings import RouterSettings
+from pdserve.shared.protocol.registry import PodInfo
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ThreadServer:
+    """An ASGI app under a real uvicorn on a free loopback port, in a thread of the test process."""
+
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @classmethod
+    def start(cls, app) -> ThreadServer:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        for _ in range(400):
+            if server.started:
+                break
+            time.sleep(0.025)
+        else:
+            raise RuntimeError("server did not start")
+        return cls(f"http://127.0.0.1:{port}", server, thread)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+class Pods:
+    """Registers pods with the registry as their heartbeats would (the router reads them from there)."""
+
+    def __init__(self, registry_url: str) -> None:
+        self.registry_url = registry_url
+
+    def add(self, pod_id: str, role: str = "decode", **fields) -> PodInfo:
+        info = PodInfo(pod_id=pod_id, role=role, host="127.0.0.1", http_port=8003,
+                       kv_port=9000 if role == "decode" else 0, model="smollm2-135m-instruct",
+                       total_blocks=1000, free_blocks=1000, **fields)
+        httpx.post(self.registry_url + "/v1/pods", json=info.model_dump(mode="json"), timeout=10).raise_for_status()
+        return info
+
+    def remove(self, pod_id: str) -> None:
+        httpx.delete(f"{self.registry_url}/v1/pods/{pod_id}", timeout=10).raise_for_status()
+
+
+@dataclass
+class RouterServer:
+    url: str
+    settings: RouterSettings
+    pods: Pods
+    http: ThreadServer
+
+    def stop(self) -> None:
+        self.http.stop()
+
+
+def start_router(settings: RouterSettings, processor: PromptProcessor, pods: Pods) -> RouterServer:
+    """The router (its real RegistryClient, Redis client and uvicorn) on a free loopback port."""
+    http = ThreadServer.start(create_app(settings, processor=processor))
+    return RouterServer(http.url, settings, pods, http)
