@@ -100,7 +100,7 @@ def run_hf_continuous(prompts, outputs, dtype) -> dict:
     return {"seconds": elapsed, "output_tokens": tokens}
 
 
-@click.command()
+@click.command("throughput")
 @click.option("--num-requests", default=128, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtypes", default="bfloat16,float32", show_default=True)
@@ -110,6 +110,7 @@ def run_hf_continuous(prompts, outputs, dtype) -> dict:
 @click.option("--skip", multiple=True, type=click.Choice(["hf-static", "hf-continuous"]))
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def main(num_requests, seed, dtypes, hf_batch_size, kv_budget_tokens, skip, json_out) -> None:
+    """Offline throughput: pdserve LLM vs HF static and continuous batching, one process."""
     torch.manual_seed(seed)
     prompts, outputs = make_workload(num_requests, seed, 49152)
     longest = max(len(p) + o for p, o in zip(prompts, outputs))
