@@ -1,4 +1,4 @@
-"""``pdserve bench``: load tests against any OpenAI-compatible server (see loadtest/README_SECTION.md)."""
+"""``pdserve bench``: load tests against any OpenAI-compatible server (README.md, "Load testing")."""
 
 from __future__ import annotations
 
