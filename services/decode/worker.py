@@ -118,11 +118,15 @@ class DecodeWorker(Worker):
                 logger.warning("reading %s failed (%s); retrying", stream, exc)
                 await asyncio.sleep(1.0)
                 continue
-            for _, messages in entries or []:
-                for msg_id, fields in messages:
-                    await self._admit(fields)
-                    await self.redis.xack(stream, keys.DECODE_GROUP, msg_id)
-                    await self.redis.xdel(stream, msg_id)
+            try:
+                for _, messages in entries or []:
+                    for msg_id, fields in messages:
+                        await self._admit(fields)
+                        await self.redis.xack(stream, keys.DECODE_GROUP, msg_id)
+                        await self.redis.xdel(stream, msg_id)
+            except (RedisError, OSError) as exc:
+                logger.warning("admitting from %s failed (%s); retrying", stream, exc)
+                await asyncio.sleep(1.0)
 
     async def _admit(self, fields) -> None:
         try:

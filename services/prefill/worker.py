@@ -81,10 +81,13 @@ class PrefillWorker(Worker):
                 logger.warning("reading the prefill queue failed (%s); retrying", exc)
                 await asyncio.sleep(1.0)
                 continue
-            for _, messages in entries or []:
-                for msg_id, fields in messages:
-                    await self._admit(msg_id, fields)
-            self.metrics.queue_depth.set(await self.redis.xlen(keys.PREFILL_STREAM))
+            try:
+                for _, messages in entries or []:
+                    for msg_id, fields in messages:
+                        await self._admit(msg_id, fields)
+                self.metrics.queue_depth.set(await self.redis.xlen(keys.PREFILL_STREAM))
+            except (RedisError, OSError) as exc:  # unacked entries stay pending: reclaimed later
+                logger.warning("admitting queue entries failed (%s)", exc)
             self.metrics.queue_tokens.set(self.queued_prefill_tokens())
 
     async def _reclaim(self) -> None:
@@ -117,9 +120,21 @@ class PrefillWorker(Worker):
         except (RedisError, OSError) as exc:
             logger.warning("XCLAIM of held entries failed: %s", exc)
 
-    async def _ack(self, msg_id) -> None:
-        await self.redis.xack(keys.PREFILL_STREAM, keys.PREFILL_GROUP, msg_id)
-        await self.redis.xdel(keys.PREFILL_STREAM, msg_id)
+    async def _ack(self, msg_id, retry_s: float = 60.0) -> None:
+        """XACK + XDEL, retried with backoff while Redis is away (an entry left pending would be reclaimed and
+        run twice)."""
+        delay, deadline = 0.1, time.monotonic() + retry_s
+        while True:
+            try:
+                await self.redis.xack(keys.PREFILL_STREAM, keys.PREFILL_GROUP, msg_id)
+                await self.redis.xdel(keys.PREFILL_STREAM, msg_id)
+                return
+            except (RedisError, OSError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                logger.warning("acknowledging %s failed (%s); retrying in %.1f s", msg_id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     async def _admit(self, msg_id, fields) -> None:
         try:

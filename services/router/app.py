@@ -24,6 +24,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -40,7 +44,7 @@ from .middleware import GuardMiddleware, StatusCounter
 from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, generation_defaults,
                      requested_max_tokens)
 from .prompts import PromptProcessor
-from .migration import Migrator
+from .migration import Migrator, health_url
 from .relay import ChoiceRoute, OutputRelay, abort_requests
 from .responses import ResponseBuilder
 from .schemas import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -61,6 +65,8 @@ class RouterState:
     defaults: dict[str, Any]
     created: int = field(default_factory=lambda: int(time.time()))
     active: int = 0  # requests between submit and finish
+    queued: int = 0  # admitted requests with no output yet (waiting in a queue or in prefill)
+    queued_tokens: int = 0  # their prompt tokens (all choices)
 
 
 @dataclass(slots=True)
@@ -74,6 +80,8 @@ class Job:
     builder: ResponseBuilder
     closed: bool = False
     routes: list[ChoiceRoute] = field(default_factory=list)  # per choice: its current request and tokens sent
+    queued_tokens: int = 0  # what this job adds to RouterState.queued_tokens until its first output
+    queued: bool = False
 
 
 def _version() -> str:
@@ -143,7 +151,9 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal directory
-        redis = Redis.from_url(settings.redis_url)
+        # connection errors are retried with backoff (~6 s): a Redis restart costs a pause, not a 503
+        redis = Redis.from_url(settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 6),
+                               retry_on_error=[RedisConnectionError, RedisTimeoutError])
         owns_directory = directory is None
         if directory is None:
             from pdserve.shared.protocol.registry import RegistryClient
@@ -204,9 +214,11 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         try:
-            await state(request).redis.ping()
+            # bounded: the client retries connection errors for seconds, /health must answer now
+            await asyncio.wait_for(state(request).redis.ping(), 2.0)
         except Exception as exc:
-            return JSONResponse({"status": "unavailable", "reason": f"redis: {exc}"}, status_code=503)
+            reason = "no answer within 2 s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+            return JSONResponse({"status": "unavailable", "reason": f"redis: {reason}"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -291,9 +303,20 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         arrival_wall, arrival = time.time(), time.monotonic()
         p = await plan(req)
         limit = settings.max_concurrent_requests
+        retry = {"Retry-After": str(max(settings.retry_after_s, 1))}
         if limit and st.active >= limit:
             raise OpenAIError(429, f"The server is serving its limit of {limit} concurrent requests; retry later",
-                              headers={"Retry-After": str(max(settings.retry_after_s, 1))})
+                              headers=retry)
+        # Admission on what is still waiting for its first token: bounded queues keep admitted requests' TTFT
+        # bounded under overload (the surplus is told to come back instead of queueing without end).
+        new_tokens = sum(len(ids) for ids in p.prompts) * p.n
+        if settings.max_queued_requests and st.queued >= settings.max_queued_requests:
+            raise OpenAIError(429, f"{st.queued} requests are waiting for their first token (limit "
+                                   f"{settings.max_queued_requests}); retry later", headers=retry)
+        if settings.max_queued_prompt_tokens and st.queued and \
+                st.queued_tokens + new_tokens > settings.max_queued_prompt_tokens:
+            raise OpenAIError(429, f"{st.queued_tokens} prompt tokens are waiting for prefill (limit "
+                                   f"{settings.max_queued_prompt_tokens}); retry later", headers=retry)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         header_id = request.headers.get("x-request-id")
         client_id = req.request_id or (header_id if header_id and REQUEST_ID_RE.match(header_id) else None)
@@ -310,8 +333,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                   include_usage=include_usage,
                                   continuous_usage=bool(req.stream_options
                                                         and req.stream_options.continuous_usage_stats))
-        job = Job(response_id, request_ids, pods, arrival, builder)
+        job = Job(response_id, request_ids, pods, arrival, builder, queued_tokens=new_tokens, queued=True)
         st.active += 1
+        st.queued += 1
+        st.queued_tokens += new_tokens
         st.metrics.running.inc()
         try:
             for prompt_index, ids in enumerate(p.prompts):
@@ -326,7 +351,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                 await st.dispatcher.enqueue(placement, choices)
                 pods.extend([pod.pod_id] * p.n)
                 job.routes.extend(ChoiceRoute(c.request_id, pod.pod_id, c.prompt_token_ids, c.sampling_params,
-                                              c.cache_salt, c.priority) for c in choices)
+                                              c.cache_salt, c.priority, pod_health_url=health_url(pod))
+                                  for c in choices)
                 st.metrics.pd_decisions.labels(settings.served_name,
                                                "local" if placement.local_prefill else "remote").inc(p.n)
                 logger.info("request %s: %d prompt tokens, n=%d -> decode pod %s (%s prefill)", response_id,
@@ -345,6 +371,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         if job.closed:
             return
         job.closed = True
+        dequeue(st, job)
         with anyio.CancelScope(shield=True):
             st.active -= 1
             st.metrics.running.dec()
@@ -358,6 +385,12 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
             for pod_id in set(job.pods):
                 st.dispatcher.finished(pod_id, job.pods.count(pod_id))
             job.pods.clear()
+
+    def dequeue(st: RouterState, job: Job) -> None:
+        if job.queued:
+            job.queued = False
+            st.queued -= 1
+            st.queued_tokens -= job.queued_tokens
 
     def record_finish(st: RouterState, job: Job) -> None:
         st.metrics.prompt_tokens.inc(sum(job.builder.prompt_lens))
@@ -373,8 +406,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                lambda reason: st.metrics.migrations.labels(
                                    settings.served_name, "error" if reason.startswith("worker") else "stall").inc())
             relay = OutputRelay(st.redis, job.routes, settings.request_timeout_s, settings.migration_stall_s,
-                                migrate if settings.migration_stall_s else None)
+                                migrate if settings.migration_stall_s else None,
+                                redis_retry_s=settings.redis_retry_s)
             async for index, event in relay:
+                dequeue(st, job)
                 timings[index].on_event(st.metrics, event)
                 if event.error is not None:
                     err = event.error

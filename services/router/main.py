@@ -35,6 +35,10 @@ from .settings import RouterSettings
 @click.option("--migration-stall-s", type=float, default=None,
               help="Move a stalled choice off a decode pod that left the registry after this long (0 = never).")
 @click.option("--max-migrations", type=int, default=None, help="Moves per choice before it fails with 503.")
+@click.option("--max-queued-requests", type=int, default=None,
+              help="Requests waiting for their first token; more get 429 (0 = no limit).")
+@click.option("--max-queued-prompt-tokens", type=int, default=None,
+              help="Prompt tokens waiting for prefill; more get 429 (0 = no limit).")
 @click.option("--log-level", default=None, help="debug|info|warning|error [PDSERVE_LOG_LEVEL].")
 def command(**flags: Any) -> None:
     """Run the router (OpenAI-compatible REST gateway). Flags override PDSERVE_* environment variables."""

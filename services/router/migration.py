@@ -15,10 +15,17 @@ import logging
 import time
 from typing import Any
 
+import httpx
+
 from pdserve.shared.protocol.messages import PrefillRequest
 
 from .errors import OpenAIError
 from .relay import ChoiceRoute, abort_requests
+
+
+def health_url(pod: Any) -> str:
+    port = getattr(pod, "http_port", None)
+    return f"http://{pod.host}:{port}/health" if port else ""
 
 logger = logging.getLogger(__name__)
 
@@ -41,21 +48,31 @@ class Migrator:
         self.pod_gone_wait_s = pod_gone_wait_s
         self.on_migrated = on_migrated
 
-    async def pod_alive(self, pod_id: str) -> bool:
+    async def pod_alive(self, route: ChoiceRoute) -> bool:
+        """Listed by the registry, or (heartbeats lost in a Redis outage) still answering its /health at all."""
         try:
             pods = await self.dispatcher.pods("decode")
         except OpenAIError:
             return True  # registry unreachable: no evidence the pod died; keep waiting
-        return any(p.pod_id == pod_id for p in pods)
+        if any(p.pod_id == route.pod_id for p in pods):
+            return True
+        if not route.pod_health_url:
+            return False
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as client:  # its /health waits up to 2 s on Redis
+                await client.get(route.pod_health_url)
+            return True  # any answer, 503 included: the process lives
+        except httpx.HTTPError:
+            return False
 
     async def __call__(self, index: int, route: ChoiceRoute, reason: str) -> bool:
         if reason.startswith("worker error"):
             deadline = time.monotonic() + self.pod_gone_wait_s
-            while await self.pod_alive(route.pod_id):
+            while await self.pod_alive(route):
                 if time.monotonic() > deadline:
                     return False
                 await asyncio.sleep(0.5)
-        elif await self.pod_alive(route.pod_id):
+        elif await self.pod_alive(route):
             return False
         if route.migrations >= self.max_migrations:
             raise OpenAIError(503, f"The request lost its decode pod {route.migrations + 1} times; giving up",
@@ -84,6 +101,7 @@ class Migrator:
         logger.warning("request %s lost decode pod %s (%s); continuing on %s after %d tokens", route.request_id,
                        route.pod_id, reason, placement.pod.pod_id, sent)
         route.request_id, route.pod_id = new_id, placement.pod.pod_id
+        route.pod_health_url = health_url(placement.pod)
         if self.on_migrated is not None:
             self.on_migrated(reason)
         return True

@@ -16,12 +16,15 @@ reading are not lost.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import MessageError, OutputEvent
@@ -49,6 +52,7 @@ class ChoiceRoute:
     token_ids: list[int] = field(default_factory=list)
     base: int = 0
     migrations: int = 0
+    pod_health_url: str = ""  # the decode pod's /health, probed before declaring it dead
     last_event: float = field(default_factory=time.monotonic)
     last_check: float = field(default_factory=time.monotonic)
     done: bool = False
@@ -90,11 +94,13 @@ class OutputRelay:
     """Yields ``(choice_index, event)`` until every choice has its final event (see the module doc).
 
     Raises ``OpenAIError(504)`` when no event arrives for ``idle_timeout_s``, ``OpenAIError(500)`` for an entry
-    that is not an ``OutputEvent``. Deletes each output stream once its final event is read.
+    that is not an ``OutputEvent``; Redis connection errors are retried for ``redis_retry_s`` (a restart),
+    then raised. Deletes each output stream once its final event is read.
     """
 
     def __init__(self, redis: Redis, routes: list[ChoiceRoute], idle_timeout_s: float, stall_s: float = 0.0,
-                 migrate: Migrate | None = None, block_ms: int = 1000) -> None:
+                 migrate: Migrate | None = None, block_ms: int = 1000, redis_retry_s: float = 30.0) -> None:
+        self.redis_retry_s = redis_retry_s
         self.redis = redis
         self.routes = routes
         self.idle_timeout_s = idle_timeout_s
@@ -119,10 +125,23 @@ class OutputRelay:
     async def __aiter__(self) -> AsyncIterator[tuple[int, OutputEvent]]:
         last_ids = {i: (keys.output_stream(r.request_id), "0-0") for i, r in enumerate(self.routes) if not r.done}
         last_any = time.monotonic()
+        outage: float | None = None
         block_ms = self.block_ms if not self.stall_s else max(50, min(self.block_ms, int(self.stall_s * 500)))
         while last_ids:
             by_name = {name: i for i, (name, _) in last_ids.items()}
-            reply = await self.redis.xread({name: last for name, last in last_ids.values()}, block=block_ms, count=256)
+            try:
+                reply = await self.redis.xread({name: last for name, last in last_ids.values()}, block=block_ms,
+                                               count=256)
+                outage = None
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                # Redis restarting: the streams survive (AOF), keep reading once it is back
+                outage = outage or time.monotonic()
+                if time.monotonic() - outage > self.redis_retry_s:
+                    raise
+                logger.warning("reading output streams failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                last_any = time.monotonic()
+                continue
             now = time.monotonic()
             if reply:
                 last_any = now

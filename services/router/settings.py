@@ -51,6 +51,12 @@ class RouterSettings(BaseSettings):
     max_migrations: int = Field(3, ge=0)
     # A worker's 503 (decode pod unreachable) migrates once the pod has left the registry within this long (s).
     migration_pod_gone_wait_s: float = Field(10.0, ge=0)
+    # Admission control: requests still waiting for their first token, and their prompt tokens; one more
+    # gets 429 with Retry-After (0 = no limit).
+    max_queued_requests: int = Field(0, ge=0)
+    max_queued_prompt_tokens: int = Field(0, ge=0)
+    # How long a request's output reader keeps retrying while Redis is unreachable (a restart) before 503 (s).
+    redis_retry_s: float = Field(30.0, ge=0)
     # Requests this router serves at once; one more gets 429 with Retry-After (0 = no limit).
     max_concurrent_requests: int = Field(0, ge=0)
     # Retry-After (s) sent with 503 when no decode pod is alive, and with 429.

@@ -12,6 +12,10 @@ import logging
 import time
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
@@ -37,7 +41,10 @@ class Worker:
         self.metrics = WorkerMetrics(self.role, settings.pod_id)
         self.engine: LLMEngine | None = None
         self.engine_thread: EngineThread | None = None
-        self.redis = aioredis.from_url(settings.redis_url)
+        # Every command retries connection errors with backoff (~6 s in all): a Redis restart costs a pause,
+        # not a failed request; longer outages surface as errors the loops below retry on their own.
+        self.redis = aioredis.from_url(settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 6),
+                                       retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.writer = OutputWriter(self.redis)
         self.registry = RegistryClient(settings.registry_url)
         self.heartbeater: Heartbeater | None = None
@@ -155,16 +162,30 @@ class Worker:
 
     # aborts
     async def _abort_loop(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(keys.ABORT_CHANNEL)
-        try:
-            async for message in pubsub.listen():
-                if message.get("type") != "message":
-                    continue
-                request_id = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
-                await self.abort(request_id)
-        finally:
-            await pubsub.aclose()
+        """Listen for aborts; resubscribe with backoff when Redis goes away (aborts published meanwhile are
+        still seen: ``is_aborted`` checks the marker key before work starts)."""
+        delay = 0.1
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(keys.ABORT_CHANNEL)
+                delay = 0.1
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    data = message["data"]
+                    await self.abort(data.decode() if isinstance(data, bytes) else data)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # RedisError, OSError: Redis restarted
+                logger.warning("abort subscription lost (%s); resubscribing in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:
+                    pass
 
     async def abort(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None or request_id in self.engine.reserved:

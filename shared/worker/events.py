@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
+from redis.exceptions import RedisError
+
 from pdserve.shared.engine.outputs import RequestOutput
 from pdserve.shared.protocol.messages import OutputEvent, OutputWriter, TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 def to_event(out: RequestOutput, num_logprobs: int | None, first: bool) -> OutputEvent:
     """The step's delta of completion 0 as an event (the router fans n > 1 out into requests)."""
@@ -33,12 +41,27 @@ def error_event(request_id: str, message: str, code: int, type_: str = "ServiceU
     return OutputEvent(request_id=request_id, error={"message": message, "type": type_, "code": code})
 
 
-async def publish(writer: OutputWriter, redis, events: list[OutputEvent]) -> None:
+async def publish(writer: OutputWriter, redis, events: list[OutputEvent], retry_s: float = 60.0) -> None:
     """Write every event to its request's stream in one round trip (``OutputWriter``: skips requests
-    that were aborted meanwhile, so an aborted stream is never recreated, and refreshes the TTL)."""
+    that were aborted meanwhile, so an aborted stream is never recreated, and refreshes the TTL).
+
+    While Redis is unreachable (a restart) the write is retried with exponential backoff (0.1 s .. 2 s) for up
+    to ``retry_s``; a retried batch may land twice, which the router drops by ``completion_tokens``. Raises the
+    last Redis error after that.
+    """
     if not events:
         return
-    pipe = redis.pipeline(transaction=False)
-    for event in events:
-        await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
-    await pipe.execute()
+    delay, deadline = 0.1, time.monotonic() + retry_s
+    while True:
+        try:
+            pipe = redis.pipeline(transaction=False)
+            for event in events:
+                await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
+            await pipe.execute()
+            return
+        except (RedisError, OSError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            logger.warning("writing %d output events failed (%s); retrying in %.1f s", len(events), exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
