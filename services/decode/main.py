@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
 import click
 
-from pdserve.shared.worker.cli_options import given, worker_options
+from pdserve.shared.worker.cli_options import run_worker, worker_options
 
 
 @click.command("decode")
@@ -18,12 +15,8 @@ from pdserve.shared.worker.cli_options import given, worker_options
 def command(**flags) -> None:
     """Run a decode worker. Flags override PDSERVE_* environment variables."""
     from pdserve.services.decode.worker import DecodeSettings, DecodeWorker
-    from pdserve.shared.worker.base import serve
 
-    settings = DecodeSettings(**given(flags))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
-    asyncio.run(serve(DecodeWorker(settings)))
+    run_worker(DecodeSettings, DecodeWorker, flags)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import click
 
 _OPTIONS = [
@@ -35,3 +38,13 @@ def worker_options(fn):
 def given(flags: dict) -> dict:
     """Only the flags the user set, so ``PDSERVE_*`` variables fill in the rest."""
     return {k: v for k, v in flags.items() if v is not None}
+
+
+def run_worker(settings_cls, worker_cls, flags: dict) -> None:
+    """Build the settings from the given flags (env fills the rest), set up logging, serve until stopped."""
+    from pdserve.shared.worker.base import serve
+
+    settings = settings_cls(**given(flags))
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
+    asyncio.run(serve(worker_cls(settings)))
