@@ -110,6 +110,19 @@ class Cluster:
     def log(self, name: str) -> str:
         return self.child(name).log_path.read_text(errors="replace")
 
+    def extra_router(self, env: dict[str, str]) -> up.Child:
+        """Start one more router on the same Redis and registry with other settings (``env``); ready on return.
+        It is stopped with the cluster."""
+        base = self.child("router")
+        port = up.free_port()
+        child = up.Child(f"router-{port}", base.argv, {**base.env, "PDSERVE_PORT": str(port), **env},
+                         self.log_dir / f"router-{port}.log", health_url=f"http://127.0.0.1:{port}/health")
+        self.children.append(child)
+        child.start()
+        if not wait_for(child.ready, 120, 0.2):
+            raise RuntimeError(f"extra router not ready:\n{child.tail()}")
+        return child
+
     def redis(self) -> redis_sync.Redis:
         return redis_sync.Redis.from_url(self.redis_url, socket_timeout=5)
 
@@ -396,6 +409,65 @@ async def overload(url: str, n: int, max_tokens: int) -> Tally:
     return Tally("overload (all at once)", list(outcomes), "429 + Retry-After above the limits")
 
 
+class AofRedis:
+    """A redis-server with an append-only file (fsync always) on a free port, restartable in place."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.dir, self.port, self.proc = Path(data_dir), up.free_port(), None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> AofRedis:
+        import subprocess
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([up.redis_executable(), "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+                                      "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis_sync.Redis.from_url(self.url, socket_timeout=1)
+        def ping() -> bool:
+            try:
+                return bool(client.ping())
+            except redis_sync.RedisError:
+                return False
+        ok = wait_for(ping, 20, 0.05)
+        client.close()
+        if not ok:
+            raise RuntimeError("redis-server did not start")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+async def redis_restart(cluster: Cluster, server: AofRedis, n: int, max_tokens: int) -> Tally:
+    """Requests queued (prefill workers stopped) while Redis restarts: none may be lost."""
+    texts = prompts(n, seed=8)
+    want = await reference(cluster.router_url, texts, max_tokens)
+    prefill = cluster.names("prefill")
+    r = cluster.redis()
+    base = r.xlen(keys.PREFILL_STREAM)
+    cluster.pause(*prefill)
+    try:
+        async with httpx.AsyncClient(timeout=180) as client:
+            tasks = [asyncio.create_task(completion(client, cluster.router_url, p, max_tokens)) for p in texts]
+            await asyncio.to_thread(wait_for, lambda: r.xlen(keys.PREFILL_STREAM) >= base + n, 10)
+            server.stop()
+            await asyncio.sleep(2.0)
+            server.start()
+            cluster.resume(*prefill)
+            outcomes = await asyncio.gather(*tasks)
+    finally:
+        cluster.resume(*prefill)
+        r.close()
+    check(outcomes, want)
+    return Tally("redis restart (queued requests)", list(outcomes), "AOF; 2 s outage")
+
+
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
@@ -403,23 +475,44 @@ async def overload(url: str, n: int, max_tokens: int) -> Tally:
 @click.option("--requests", "n", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests per fault scenario.")
 @click.option("--storm", type=click.IntRange(min=1), default=200, show_default=True, help="Abort-storm clients.")
+@click.option("--overload", "overload_n", type=click.IntRange(min=1), default=80, show_default=True,
+              help="Requests sent at once against --max-queued admission.")
+@click.option("--max-queued", type=click.IntRange(min=1), default=8, show_default=True,
+              help="The router's --max-queued-requests in the overload scenario.")
 @click.option("--max-tokens", type=click.IntRange(min=4), default=16, show_default=True)
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
-def command(n: int, storm: int, max_tokens: int, log_dir: Path | None) -> None:
-    """Run every fault scenario against a fresh local ensemble and print the table."""
-    env = {"PDSERVE_CLAIM_IDLE_S": "3", "PDSERVE_POD_TTL_S": "4", "PDSERVE_MIGRATION_STALL_S": "1",
+def command(n: int, storm: int, overload_n: int, max_queued: int, max_tokens: int, log_dir: Path | None) -> None:
+    """Run every fault scenario against fresh local ensembles and print the table."""
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
+    env = {"PDSERVE_CLAIM_IDLE_S": "3", "PDSERVE_POD_TTL_S": "8", "PDSERVE_MIGRATION_STALL_S": "1",
            "PDSERVE_DTYPE": "float32"}
     tallies: list[Tally] = []
-    with Cluster(2, 2, env, log_dir=log_dir) as cluster:
+    with Cluster(2, 2, env, log_dir=log_dir / "pods") as cluster:
         click.echo(f"ensemble up (logs in {cluster.log_dir})", err=True)
+        base = leftovers(cluster)
         tallies.append(asyncio.run(abort_storm(cluster, storm, max_tokens)))
-        left = wait_for(lambda: (lambda s: not s["output_streams"] and not s["pending"] and all(
-            d["kv_blocks_used"] == 0 and d["kv_active_leases"] == 0 for d in s["decode"].values()) and s)(
-                leftovers(cluster)), 30)
-        tallies[-1].note += "; leftovers: " + ("none" if left else json.dumps(leftovers(cluster)))
+        def clean() -> bool:
+            s = leftovers(cluster)
+            return not s["output_streams"] and not s["pending"] and all(
+                d["kv_blocks_used"] == base["decode"][k]["kv_blocks_used"] and d["kv_active_leases"] == 0
+                for k, d in s["decode"].items())
+        tallies[-1].note = "leftovers: " + ("none" if wait_for(clean, 60, 0.5) else json.dumps(leftovers(cluster)))
+        click.echo(table(tallies[-1:]), err=True)
         tallies.append(asyncio.run(prefill_kill(cluster, n, max_tokens)))
         tallies.append(asyncio.run(decode_kill(cluster, n, max_tokens * 2)))
         tallies.append(asyncio.run(no_decode_left(cluster, n, max_tokens)))
+        click.echo(table(tallies[-3:]), err=True)
+    server = AofRedis(log_dir / "aof").start()
+    try:
+        env2 = {"PDSERVE_POD_TTL_S": "10", "PDSERVE_DTYPE": "float32",
+                "PDSERVE_MAX_QUEUED_REQUESTS": str(max_queued)}
+        with Cluster(1, 1, env2, redis_url=server.url, log_dir=log_dir / "redis") as cluster:
+            tally = asyncio.run(overload(cluster.router_url, overload_n, max_tokens))
+            tally.scenario = f"overload ({overload_n} at once, max {max_queued} queued)"
+            tallies.append(tally)
+            tallies.append(asyncio.run(redis_restart(cluster, server, n, max_tokens)))
+    finally:
+        server.stop()
     click.echo(table(tallies))
     if any(t.count("lost") or t.wrong for t in tallies):
         sys.exit(1)
