@@ -77,9 +77,10 @@ def _register() -> None:
     from pdserve.loadtest.kv_transfer_bench import kv_transfer_command
     from pdserve.loadtest.offline_throughput import main as throughput_command
     from pdserve.loadtest.sweep import sweep_command
+    from pdserve.loadtest.ttft_breakdown import ttft_breakdown_command
 
     for cmd in (sweep_command, mock_server_command, client_overhead_command, pd_vs_colocated_command,
-                kv_routing_command, kv_transfer_command):
+                kv_routing_command, kv_transfer_command, ttft_breakdown_command):
         bench.add_command(cmd)
     bench.add_command(throughput_command, "throughput")
 

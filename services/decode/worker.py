@@ -66,7 +66,7 @@ class DecodeReceiver:
         if await w.is_aborted(msg.request_id):
             return CommitReply(ok=False, error="request was aborted")
         w.requests[msg.request_id] = {"arrival_time": msg.arrival_time, "num_logprobs": params.logprobs,
-                                      "sent_first": True, "last": time.time()}
+                                      "sent_first": True, "committed": time.time()}
         try:
             await w.engine_thread.acall(w.engine.commit, msg.request_id, msg.first_token_id, params,
                                         arrival_time=msg.arrival_time)
@@ -138,7 +138,8 @@ class DecodeWorker(Worker):
             return
         try:
             params = SamplingParams.from_dict(req.sampling_params)
-            self.requests[req.request_id] = {"arrival_time": req.arrival_time, "num_logprobs": params.logprobs}
+            self.requests[req.request_id] = {"arrival_time": req.arrival_time, "num_logprobs": params.logprobs,
+                                             "admitted": time.time()}
             await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
                                            arrival_time=req.arrival_time, priority=req.priority,
                                            cache_salt=req.cache_salt)

@@ -155,7 +155,8 @@ class PrefillWorker(Worker):
             return
         await self._slots.acquire()
         self.inflight[req.request_id] = (msg_id, req)
-        self.requests[req.request_id] = {"arrival_time": req.arrival_time, "num_logprobs": params.logprobs}
+        self.requests[req.request_id] = {"arrival_time": req.arrival_time, "num_logprobs": params.logprobs,
+                                         "admitted": time.time()}
         try:
             await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
                                            arrival_time=req.arrival_time, priority=req.priority,

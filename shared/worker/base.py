@@ -151,7 +151,12 @@ class Worker:
             events.append(event)
             if first:
                 self.metrics.ttft.observe(now - info["arrival_time"])
+                if "admitted" in info:  # taken from a queue here: TTFT = queue wait + prefill
+                    self.metrics.queue_time.observe(info["admitted"] - info["arrival_time"])
+                    self.metrics.prefill_time.observe(now - info["admitted"])
                 info["sent_first"] = True
+            elif "committed" in info:  # first step after a KV hand-over
+                self.metrics.first_decode_step.observe(now - info.pop("committed"))
             elif "last" in info:
                 self.metrics.itl.observe(now - info["last"])
             info["last"] = now

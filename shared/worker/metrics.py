@@ -37,6 +37,13 @@ class WorkerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Arrival to last token", names,
                              buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.queue_time = Histogram("pdserve:request_queue_time_seconds", "Arrival to being taken from the queue",
+                                    names, buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.prefill_time = Histogram("pdserve:request_prefill_time_seconds", "Taken from the queue to first token",
+                                      names, buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.first_decode_step = Histogram("pdserve:first_decode_step_seconds",
+                                           "KV hand-over committed to the decode pod's first token", names,
+                                           buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.kv_transfer_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes sent or received", names, registry=r).labels(**labels)
         self.kv_transfer_seconds = Histogram("pdserve:kv_transfer_seconds", "Time to transfer one request's KV", names,
                                              buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
