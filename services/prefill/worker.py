@@ -45,6 +45,9 @@ class PrefillWorker(Worker):
     def __init__(self, settings: PrefillSettings) -> None:
         super().__init__(settings)
         self.inflight: dict[str, tuple[str, PrefillRequest]] = {}  # request id -> (queue entry id, request)
+        # request id -> queue entry id, from delivery (XREADGROUP/XAUTOCLAIM) until it is in ``inflight``: the
+        # same entry can arrive twice (our own reclaim loop) and must be admitted once, and it is ours to touch
+        self._admitting: dict[str, object] = {}
         self.clients: dict[tuple[str, int], KVTransferClient] = {}
         self._client_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._slots = asyncio.Semaphore(settings.max_inflight)
@@ -111,7 +114,7 @@ class PrefillWorker(Worker):
     async def _touch(self) -> None:
         """Reset the idle time of the entries this worker still holds (XCLAIM to itself, JUSTID), so a slow
         prefill or transfer is never mistaken for a dead worker and reclaimed while it is still running."""
-        held = [msg_id for msg_id, _ in self.inflight.values()]
+        held = [msg_id for msg_id, _ in self.inflight.values()] + list(self._admitting.values())
         if not held:
             return
         try:
@@ -143,8 +146,15 @@ class PrefillWorker(Worker):
             logger.error("dropping malformed queue entry %s: %s", msg_id, exc)
             await self._ack(msg_id)
             return
-        if req.request_id in self.inflight:
+        if req.request_id in self.inflight or req.request_id in self._admitting:
             return
+        self._admitting[req.request_id] = msg_id  # no await between the check and this
+        try:
+            await self._admit_new(msg_id, req)
+        finally:
+            self._admitting.pop(req.request_id, None)
+
+    async def _admit_new(self, msg_id, req: PrefillRequest) -> None:
         if await self.is_aborted(req.request_id):
             await self._ack(msg_id)
             return
