@@ -48,6 +48,7 @@ class PrefillWorker(Worker):
         # request id -> queue entry id, from delivery (XREADGROUP/XAUTOCLAIM) until it is in ``inflight``: the
         # same entry can arrive twice (our own reclaim loop) and must be admitted once, and it is ours to touch
         self._admitting: dict[str, object] = {}
+        self._delivered: set = set()  # entry ids of a delivered batch not admitted yet (touched as well)
         self.clients: dict[tuple[str, int], KVTransferClient] = {}
         self._client_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._slots = asyncio.Semaphore(settings.max_inflight)
@@ -86,11 +87,13 @@ class PrefillWorker(Worker):
                 continue
             try:
                 for _, messages in entries or []:
+                    self._delivered.update(msg_id for msg_id, _ in messages)
                     for msg_id, fields in messages:
                         await self._admit(msg_id, fields)
                 self.metrics.queue_depth.set(await self.redis.xlen(keys.PREFILL_STREAM))
             except (RedisError, OSError) as exc:  # unacked entries stay pending: reclaimed later
                 logger.warning("admitting queue entries failed (%s)", exc)
+                self._delivered.clear()  # not admitted: let another worker reclaim them
             self.metrics.queue_tokens.set(self.queued_prefill_tokens())
 
     async def _reclaim(self) -> None:
@@ -114,7 +117,8 @@ class PrefillWorker(Worker):
     async def _touch(self) -> None:
         """Reset the idle time of the entries this worker still holds (XCLAIM to itself, JUSTID), so a slow
         prefill or transfer is never mistaken for a dead worker and reclaimed while it is still running."""
-        held = [msg_id for msg_id, _ in self.inflight.values()] + list(self._admitting.values())
+        held = ([msg_id for msg_id, _ in self.inflight.values()] + list(self._admitting.values())
+                + list(self._delivered))
         if not held:
             return
         try:
@@ -140,6 +144,12 @@ class PrefillWorker(Worker):
                 delay = min(2.0, delay * 2)
 
     async def _admit(self, msg_id, fields) -> None:
+        try:
+            await self._admit_entry(msg_id, fields)
+        finally:
+            self._delivered.discard(msg_id)
+
+    async def _admit_entry(self, msg_id, fields) -> None:
         try:
             req = PrefillRequest.decode(fields)
         except MessageError as exc:
