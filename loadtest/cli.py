@@ -73,6 +73,7 @@ def _register() -> None:
     from pdserve.loadtest.mock_server import mock_server_command
     from pdserve.loadtest.overhead import client_overhead_command
     from pdserve.loadtest.pd_compare import pd_vs_colocated_command
+    from pdserve.loadtest.chaos import command as chaos_command
     from pdserve.loadtest.kv_routing_bench import kv_routing_command
     from pdserve.loadtest.kv_transfer_bench import kv_transfer_command
     from pdserve.loadtest.offline_throughput import main as throughput_command
@@ -82,6 +83,7 @@ def _register() -> None:
     for cmd in (sweep_command, mock_server_command, client_overhead_command, pd_vs_colocated_command,
                 kv_routing_command, kv_transfer_command, ttft_breakdown_command):
         bench.add_command(cmd)
+    bench.add_command(chaos_command, "chaos")
     bench.add_command(throughput_command, "throughput")
 
 

@@ -13,7 +13,11 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdserve.services.registry.kv_index import BlockIndex
 from pdserve.shared.protocol.kv_events import KVEventBatch, KVEventsReply, KVLookup, KVLookupReply, KVSnapshot, PodOverlap
@@ -51,7 +55,11 @@ class _Metrics:
 
 def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     settings = settings or RegistrySettings()
-    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    # a pooled connection that died with a Redis restart is retried at once on a fresh one; a real outage
+    # still answers 503 quickly (callers have a 2 s timeout and their own backoff)
+    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2,
+                                    retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 2),
+                                    retry_on_error=[RedisConnectionError, RedisTimeoutError])
     store = PodStore(redis, settings.pod_ttl_s)
     index = BlockIndex(redis, settings.pod_ttl_s)
     metrics = _Metrics()
