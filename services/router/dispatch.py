@@ -15,6 +15,8 @@ own stream).
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import random
 import time
@@ -103,13 +105,21 @@ class Dispatcher:
         cached = self._cache.get(role)
         if cached is not None and now - cached[0] < self.cache_s:
             return cached[1]
-        try:
-            pods = list(await self.directory.list_pods(role))
-        except Exception as exc:
-            logger.warning("registry unavailable (%s: %s)", type(exc).__name__, exc)
-            raise self.unavailable("The pod registry is unreachable") from exc
+        pods = list(await self._ask_registry(self.directory.list_pods, role))
         self._cache[role] = (now, pods)
         return pods
+
+    async def _ask_registry(self, call, *args):
+        """A registry call, tried again twice after a short pause: a registry slowed down by a loaded
+        machine or a Redis restart costs a little latency, not a 503."""
+        for attempt, pause in enumerate((0.2, 0.5, None)):
+            try:
+                return await call(*args)
+            except Exception as exc:
+                logger.warning("registry call failed (attempt %d: %s: %s)", attempt + 1, type(exc).__name__, exc)
+                if pause is None:
+                    raise self.unavailable("The pod registry is unreachable") from exc
+                await asyncio.sleep(pause)
 
     def unavailable(self, message: str) -> OpenAIError:
         return OpenAIError(503, message, headers={"Retry-After": str(self.retry_after_s)})
@@ -148,11 +158,7 @@ class Dispatcher:
             self.block_size = int(Counter(int(p.block_size) for p in decode).most_common(1)[0][0])
         block_size = self.block_size
         hashes = [h.hex() for h in compute_block_hashes(ids, block_size, cache_salt)]
-        try:
-            reply = await self.directory.lookup(hashes, "decode")
-        except Exception as exc:
-            logger.warning("registry lookup failed (%s: %s)", type(exc).__name__, exc)
-            raise self.unavailable("The pod registry is unreachable") from exc
+        reply = await self._ask_registry(self.directory.lookup, hashes, "decode")
         if not reply.pods:
             raise self.unavailable("No decode pod is available; retry later")
         # a pod with another block size hashes other blocks: it holds none of this chain
