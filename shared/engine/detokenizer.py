@@ -124,6 +124,18 @@ class IncrementalDetokenizer:
                     return matched
         return None
 
+    def resume(self, token_ids: Sequence[int], text_len: int) -> None:
+        """Start from output generated elsewhere (a migrated request): ``token_ids`` are decoded as output
+        without a stop-string search (a match there would have ended the request), and the first
+        ``text_len`` characters count as returned. A stop string that begins in that text and ends in
+        new text is still found (``_find_stop`` looks back), and the unreturned tail — text the other
+        engine held back — is returned with the next delta. Call before any ``update``.
+        """
+        for token_id in token_ids:
+            self._num_output_tokens += 1
+            self._text += self._decode_next(token_id)
+        self._returned = max(0, min(text_len, len(self._text)))
+
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text for the caller: the not-yet-returned part (``delta``) or all of it so far.
 

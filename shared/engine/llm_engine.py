@@ -174,12 +174,28 @@ class LLMEngine:
         return max_tokens
 
     def _new_request(self, request_id, prompt_token_ids, params, max_tokens, arrival_time, priority, cache_salt,
-                     index=0, parent_id=None, prefill_only=False) -> Request:
+                     index=0, parent_id=None, prefill_only=False, output_token_ids=()) -> Request:
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
-        return Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, arrival_time,
-                       priority, cache_salt, generator, index, parent_id, prefill_only)
+        request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, arrival_time,
+                          priority, cache_salt, generator, index, parent_id, prefill_only)
+        request.all_token_ids.extend(output_token_ids)
+        _advance(generator, len(output_token_ids))
+        return request
+
+    def validate_output(self, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams,
+                        max_tokens: int) -> None:
+        """Check the output a resumed request already has (see ``add_request``); raises ``RequestRejected``."""
+        bad = next((t for t in output_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).",
+                                  "output_token_ids")
+        if len(output_token_ids) >= max_tokens:
+            raise RequestRejected(f"The request already has {len(output_token_ids)} of its {max_tokens} output "
+                                  "tokens; nothing is left to generate.", "output_token_ids")
+        if output_token_ids and params.n > 1:
+            raise RequestRejected("A resumed request continues one completion; n must be 1.", "n")
 
     def add_request(
         self,
@@ -192,23 +208,38 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
+        output_text_len: int = 0,
     ) -> None:
         """Queue a request. Raises ``RequestRejected`` when it can never be served, ``ValueError`` on a
-        duplicate id. ``prefill_only``: stop after the first token and keep the blocks (``export_kv``)."""
+        duplicate id. ``prefill_only``: stop after the first token and keep the blocks (``export_kv``).
+
+        ``output_token_ids`` resumes a request that generated these tokens elsewhere (a decode pod that
+        died: the router migrates the request with what its client already has). They count as output,
+        not prompt: ``max_tokens``/``min_tokens``, penalties, stop strings spanning them and the seeded
+        generator (advanced one draw per token, the sampler's rule) continue as if the request had never
+        moved. ``output_text_len``: characters of their text the client already has (the rest was held
+        back as a possible stop-string prefix and is returned later).
+        """
         params = params or SamplingParams()
         if request_id in self.groups or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
+        output_token_ids = list(output_token_ids or ())
         max_tokens = self.validate_prompt(prompt_token_ids, params)
+        self.validate_output(prompt_token_ids, output_token_ids, params, max_tokens)
         request = self._new_request(request_id, prompt_token_ids, params, max_tokens, arrival_time, priority,
-                                    cache_salt, prefill_only=prefill_only)
+                                    cache_salt, prefill_only=prefill_only, output_token_ids=output_token_ids)
         group = _Group(request_id, prompt, params)
-        self._add_member(group, request)
+        self._add_member(group, request, output_text_len)
         self.groups[request_id] = group
         self.scheduler.add_request(request)
 
-    def _add_member(self, group: _Group, request: Request) -> None:
+    def _add_member(self, group: _Group, request: Request, output_text_len: int = 0) -> None:
         group.members.append(request)
-        group.detoks.append(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params))
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        if request.num_output_tokens:
+            detok.resume(request.output_token_ids, output_text_len)
+        group.detoks.append(detok)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and release everything it holds. Returns whether it existed."""
@@ -347,12 +378,15 @@ class LLMEngine:
         self.parked[request.request_id] = request
 
     def export_kv(self, request_id: str, first_block: int = 0) -> tuple[list[str], torch.Tensor]:
-        """KV of a parked request's prompt: (hex block hashes of its full blocks,
+        """KV of a parked request's computed tokens (its prompt, plus the output of a resumed request; not
+        the token just sampled): (hex block hashes of its full blocks,
         ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` for blocks ``first_block:``)."""
         request = self.parked[request_id]
-        ids = self.kv_manager.get_block_ids(request_id)[: -(-request.num_prompt_tokens // self.kv_spec.block_size)]
-        hashes = [h.hex() for h in request.update_block_hashes(self.kv_spec.block_size)]
-        return hashes[: request.num_prompt_tokens // self.kv_spec.block_size], self.kv_cache.read_blocks(ids[first_block:])
+        num_kv_tokens = request.num_tokens - 1
+        bs = self.kv_spec.block_size
+        ids = self.kv_manager.get_block_ids(request_id)[: -(-num_kv_tokens // bs)]
+        hashes = [h.hex() for h in request.update_block_hashes(bs)]
+        return hashes[: num_kv_tokens // bs], self.kv_cache.read_blocks(ids[first_block:])
 
     def release_parked(self, request_id: str) -> None:
         request = self.parked.pop(request_id, None)
@@ -387,24 +421,40 @@ class LLMEngine:
         self.kv_cache.write_blocks(ids[first_block : first_block + data.shape[0]], data)
 
     def commit(self, request_id: str, first_token_id: int, params: SamplingParams, *, arrival_time: float | None = None,
-               priority: int = 0, prompt: str | None = None) -> None:
-        """The reserved request's KV is complete: it joins the running batch with its first token."""
+               priority: int = 0, prompt: str | None = None, output_token_ids: list[int] | None = None,
+               output_text_len: int = 0) -> None:
+        """The reserved request's KV is complete: it joins the running batch with the token the prefill pod
+        sampled. Raises ``KeyError`` without a reservation, ``RequestRejected`` for parameters this engine
+        cannot serve (the reservation is then released).
+
+        The reservation holds the KV of every computed token: the prompt, then ``output_token_ids`` for a
+        resumed request (``add_request``), which must be the reservation's last tokens. A seeded request's
+        generator is advanced past every token sampled elsewhere, so it continues as one engine would.
+        """
         reserved = self.reserved.pop(request_id)
+        output_token_ids = list(output_token_ids or ())
+        tokens = reserved.prompt_token_ids
+        split = len(tokens) - len(output_token_ids)
         try:
-            max_tokens = self.validate_prompt(reserved.prompt_token_ids, params)
+            if split < 1 or tokens[split:] != output_token_ids:
+                raise RequestRejected("output_token_ids must be the last tokens of the reserved KV",
+                                      "output_token_ids")
+            max_tokens = self.validate_prompt(tokens[:split], params)
+            self.validate_output(tokens[:split], output_token_ids, params, max_tokens)
         except ValueError:
             self.kv_manager.free(reserved)
             raise
-        request = self._new_request(request_id, reserved.prompt_token_ids, params, max_tokens, arrival_time, priority,
-                                    reserved.cache_salt)
-        request.num_computed_tokens = request.num_prompt_tokens
+        request = self._new_request(request_id, tokens[:split], params, max_tokens, arrival_time, priority,
+                                    reserved.cache_salt, output_token_ids=output_token_ids)
+        request.num_computed_tokens = request.num_tokens
         request.num_cached_tokens = reserved.num_cached_tokens
-        self.kv_manager.cache_blocks(request, request.num_prompt_tokens)
+        self.kv_manager.cache_blocks(request, request.num_tokens)
         group = _Group(request_id, prompt, params)
-        self._add_member(group, request)
+        self._add_member(group, request, output_text_len)
         self.groups[request_id] = group
         self.scheduler.add_running(request)
         self._append_token(request, first_token_id, None, time.time())
+        _advance(request.generator, 1)
         group.new.pop(0, None)
         group.detoks[0].get_next_output_text(request.is_finished, delta=True)  # the prefill pod sent it already
 
@@ -436,3 +486,11 @@ class LLMEngine:
             "block_size": self.kv_spec.block_size,
             "max_model_len": self.max_model_len,
         }
+
+
+def _advance(generator: torch.Generator | None, num_draws: int) -> None:
+    """Move a seeded request's generator past ``num_draws`` sampled tokens (``Sampler._uniforms`` draws one
+    float64 per step), so a request moved between engines samples what one engine would have."""
+    if generator is not None:
+        for _ in range(num_draws):
+            torch.rand(1, dtype=torch.float64, generator=generator)
