@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -32,6 +33,36 @@ class DecodeSettings(WorkerSettings):
     kv_port: int = 9000
     colocated: bool = False
     lease_ttl_s: float = 30.0
+    # how long / how many committed request ids are remembered to refuse a second hand-over of the same one
+    handover_memory_s: float = 900.0
+    handover_memory_max: int = 100_000
+
+
+class HandedOver:
+    """Request ids this pod took over, for ``memory_s`` seconds (at most ``max_entries``, oldest dropped).
+
+    A prefill worker that dies after the decode pod's commit reply but before its XACK leaves its queue entry
+    pending; another worker reclaims it (XAUTOCLAIM), prefills it again and offers the same request here. Redis
+    Streams deliver at least once; this makes the hand-over idempotent, so the request runs once.
+    """
+
+    def __init__(self, memory_s: float, max_entries: int) -> None:
+        self.memory_s, self.max_entries = memory_s, max_entries
+        self._ids: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = time.monotonic()
+        self._ids.move_to_end(request_id)
+        self._trim()
+
+    def __contains__(self, request_id: str) -> bool:
+        self._trim()
+        return request_id in self._ids
+
+    def _trim(self) -> None:
+        horizon = time.monotonic() - self.memory_s
+        while self._ids and (len(self._ids) > self.max_entries or next(iter(self._ids.values())) < horizon):
+            self._ids.popitem(last=False)
 
 
 class DecodeReceiver:
@@ -45,6 +76,9 @@ class DecodeReceiver:
         w = self.worker
         if len(msg.prompt_token_ids) != msg.num_tokens:
             return ReserveReply(ok=False, error=f"num_tokens {msg.num_tokens} != {len(msg.prompt_token_ids)} prompt tokens")
+        if msg.request_id in w.handed_over:
+            logger.info("request %s was already handed over to this pod; refusing it again", msg.request_id)
+            return ReserveReply(ok=False, duplicate=True, error="request was already handed over to this pod")
         result = await w.engine_thread.acall(w.engine.reserve, msg.request_id, msg.prompt_token_ids, msg.cache_salt)
         if result is None:
             return ReserveReply(ok=False, error="no free KV blocks on this decode pod right now")
@@ -69,10 +103,12 @@ class DecodeReceiver:
                                       "sent_first": True, "committed": time.time()}
         try:
             await w.engine_thread.acall(w.engine.commit, msg.request_id, msg.first_token_id, params,
-                                        arrival_time=msg.arrival_time)
+                                        arrival_time=msg.arrival_time, output_token_ids=msg.output_token_ids,
+                                        output_text_len=msg.output_text_len)
         except ValueError as exc:
             w.requests.pop(msg.request_id, None)
             return CommitReply(ok=False, error=str(exc))
+        w.handed_over.add(msg.request_id)
         return CommitReply(ok=True)
 
     async def release(self, request_id: str) -> None:
@@ -88,6 +124,7 @@ class DecodeWorker(Worker):
         self.kv_port = settings.kv_port
         self.colocated = settings.colocated
         self.kv_server: KVTransferServer | None = None
+        self.handed_over = HandedOver(settings.handover_memory_s, settings.handover_memory_max)
 
     async def start_role(self) -> None:
         s = self.settings
@@ -142,7 +179,8 @@ class DecodeWorker(Worker):
                                              "admitted": time.time()}
             await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
                                            arrival_time=req.arrival_time, priority=req.priority,
-                                           cache_salt=req.cache_salt)
+                                           cache_salt=req.cache_salt, output_token_ids=req.output_token_ids,
+                                           output_text_len=req.output_text_len)
         except (RequestRejected, SamplingParamsError, ValueError, TypeError) as exc:
             self.requests.pop(req.request_id, None)
             self.metrics.requests_failed.inc()

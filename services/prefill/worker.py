@@ -94,6 +94,9 @@ class PrefillWorker(Worker):
             except (RedisError, OSError) as exc:  # unacked entries stay pending: reclaimed later
                 logger.warning("admitting queue entries failed (%s)", exc)
                 self._delivered.clear()  # not admitted: let another worker reclaim them
+            except Exception:  # this loop is the worker: a bug on one entry must not stop it
+                logger.exception("admitting queue entries failed")
+                self._delivered.clear()
             self.metrics.queue_tokens.set(self.queued_prefill_tokens())
 
     async def _reclaim(self) -> None:
@@ -156,8 +159,13 @@ class PrefillWorker(Worker):
             logger.error("dropping malformed queue entry %s: %s", msg_id, exc)
             await self._ack(msg_id)
             return
-        if req.request_id in self.inflight or req.request_id in self._admitting:
-            return
+        held = self.inflight[req.request_id][0] if req.request_id in self.inflight else \
+            self._admitting.get(req.request_id)
+        if held is not None:
+            if held != msg_id:  # a second entry for a request running here (at-least-once): the first one answers
+                logger.info("dropping queue entry %s: request %s is already running here", msg_id, req.request_id)
+                await self._ack(msg_id)
+            return  # else our own reclaim loop delivered the entry we hold
         self._admitting[req.request_id] = msg_id  # no await between the check and this
         try:
             await self._admit_new(msg_id, req)
@@ -180,7 +188,8 @@ class PrefillWorker(Worker):
         try:
             await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
                                            arrival_time=req.arrival_time, priority=req.priority,
-                                           cache_salt=req.cache_salt, prefill_only=True)
+                                           cache_salt=req.cache_salt, prefill_only=True,
+                                           output_token_ids=req.output_token_ids, output_text_len=req.output_text_len)
         except (RequestRejected, ValueError) as exc:
             self._forget(req.request_id)
             await self._fail(msg_id, req.request_id, str(exc), 400, "BadRequestError")
@@ -243,17 +252,23 @@ class PrefillWorker(Worker):
 
     async def _transfer(self, msg_id, req: PrefillRequest, out, block_hashes, kv) -> None:
         rid = req.request_id
-        first_token = out.outputs[0].token_ids[0]
+        first_token = out.outputs[0].token_ids[-1]  # after any resumed output
         started = time.perf_counter()
         try:
             client = await self._client(req.decode_host, req.decode_kv_port)
             deadline = time.monotonic() + self.settings.reserve_retry_s
+            kv_tokens = req.prompt_token_ids + req.output_token_ids  # a resumed request's output has KV too
             while True:
-                reply = await client.reserve(Reserve(rid, req.prompt_token_ids, len(req.prompt_token_ids),
-                                                     block_hashes, req.cache_salt))
-                if reply.ok or time.monotonic() > deadline:
+                reply = await client.reserve(Reserve(rid, kv_tokens, len(kv_tokens), block_hashes, req.cache_salt))
+                if reply.ok or reply.duplicate or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
+            if reply.duplicate:  # a worker that died before its XACK handed it over already: done
+                logger.info("request %s is already on decode pod %s; acknowledging the redelivered entry",
+                            rid, req.decode_pod_id)
+                self._forget(rid)
+                await self._ack(msg_id)
+                return
             if not reply.ok:
                 raise KVTransferError(f"decode pod {req.decode_pod_id} refused the reservation: {reply.error}")
             skip = reply.num_cached_blocks
@@ -263,7 +278,8 @@ class PrefillWorker(Worker):
             self.metrics.kv_transfer_blocks_skipped.inc(skip)
             self.metrics.kv_transfer_bytes.inc(kv[skip:].numel() * kv.element_size())
             commit = await client.commit(Commit(rid, first_token, req.sampling_params, req.prompt_token_ids,
-                                                req.arrival_time, req.deadline, out.metrics.get("first_token_time")))
+                                                req.arrival_time, req.deadline, out.metrics.get("first_token_time"),
+                                                req.output_token_ids, req.output_text_len))
             if not commit.ok:
                 raise KVTransferError(f"decode pod {req.decode_pod_id} refused the hand-over: {commit.error}")
             self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)

@@ -1,11 +1,13 @@
-"""Moving a choice off a dead decode pod: re-enqueue it with its prompt plus the tokens the client already
-has, ``max_tokens``/``min_tokens`` reduced by as many, to a live pod (the dispatcher's usual choice).
+"""Moving a choice off a dead decode pod: re-enqueue it to a live pod (the dispatcher's usual choice) as a
+*resumed* request — its prompt, and as output the tokens (and characters of text) the client already has.
+The engine continues it as if it had never moved (``LLMEngine.add_request``): ``max_tokens``/``min_tokens``
+count those tokens, a stop string that spans the move is found, text a dead pod held back as a possible
+stop-string prefix is sent once it cannot match, and a seeded generator resumes where it was.
 
 A choice is migrated when its decode pod has left the registry (its heartbeats stopped: the pod died or
 is cut off) while its output stalled, or when a worker reported that the pod is unreachable (503, e.g. the
 KV transfer failed). The old internal request is aborted, so a pod that was only slow cannot write into
-the client's stream as well. With greedy sampling the continuation equals an uninterrupted run's (same
-tokens, same context); a seeded sampled request continues from a new generator state.
+the client's stream as well. With greedy or seeded sampling the continuation equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -77,21 +79,19 @@ class Migrator:
         if route.migrations >= self.max_migrations:
             raise OpenAIError(503, f"The request lost its decode pod {route.migrations + 1} times; giving up",
                               headers={"Retry-After": "1"})
-        params = dict(route.sampling_params)
         sent = len(route.token_ids)
-        if params.get("max_tokens") is not None:
-            params["max_tokens"] = max(1, int(params["max_tokens"]) - sent)
-        params["min_tokens"] = max(0, int(params.get("min_tokens") or 0) - sent)
-        ids = list(route.prompt_token_ids) + list(route.token_ids)
+        ids = list(route.prompt_token_ids) + list(route.token_ids)  # all of it needs KV on the new pod
         placement = await self.dispatcher.place(len(ids), ids, route.cache_salt)  # 503 when no decode pod is left
         route.migrations += 1
         stem = self.job.request_ids[index].split("~m")[0]
         new_id = f"{stem}~m{route.migrations}"
         await abort_requests(self.redis, [route.request_id])
-        request = PrefillRequest(request_id=new_id, model=self.model, prompt_token_ids=ids, sampling_params=params,
-                                 decode_pod_id=placement.pod.pod_id, decode_host=placement.pod.host,
-                                 decode_kv_port=int(placement.pod.kv_port), arrival_time=time.time(),
-                                 cache_salt=route.cache_salt, priority=route.priority, choice_index=index)
+        request = PrefillRequest(request_id=new_id, model=self.model, prompt_token_ids=list(route.prompt_token_ids),
+                                 sampling_params=dict(route.sampling_params), decode_pod_id=placement.pod.pod_id,
+                                 decode_host=placement.pod.host, decode_kv_port=int(placement.pod.kv_port),
+                                 arrival_time=time.time(), cache_salt=route.cache_salt, priority=route.priority,
+                                 choice_index=index, output_token_ids=list(route.token_ids),
+                                 output_text_len=route.text_len)
         await self.dispatcher.enqueue(placement, [request])
         old_pod = self.job.pods[index] if index < len(self.job.pods) else route.pod_id
         self.dispatcher.finished(old_pod, 1)

@@ -9,9 +9,9 @@ reading are not lost.
     emitting the first token has its queue entry reclaimed by another, which emits that token again —
     the client gets it once;
   * a choice whose output stalls (no event for ``stall_s``) or whose worker reports a retryable 503 is
-    handed to ``migrate`` (the app re-enqueues it, under a new internal request id, with the prompt plus
-    the tokens already relayed); the relay then reads the new stream and renumbers its events so
-    ``completion_tokens`` continue where the client is.
+    handed to ``migrate`` (the app re-enqueues it, under a new internal request id, resuming from the tokens
+    and text already relayed); the relay then reads the new stream, whose ``completion_tokens`` continue
+    where the client is.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ class ChoiceRoute:
     """Where one choice's output comes from now, and what its client already received.
 
     ``request_id``/``pod_id``: the current internal request and its decode pod (both change on migration).
-    ``token_ids``: completion tokens relayed so far; ``base``: how many of them were relayed before the
-    current ``request_id`` started (its events count from there).
+    ``token_ids``: completion tokens relayed so far; ``text_len``: characters of their text relayed (less
+    than their full text while a possible stop-string prefix is held back).
     """
 
     request_id: str
@@ -50,7 +50,7 @@ class ChoiceRoute:
     cache_salt: str | None = None
     priority: int = 0
     token_ids: list[int] = field(default_factory=list)
-    base: int = 0
+    text_len: int = 0
     migrations: int = 0
     pod_health_url: str = ""  # the decode pod's /health, probed before declaring it dead
     last_event: float = field(default_factory=time.monotonic)
@@ -68,9 +68,10 @@ def is_retryable(error: dict[str, Any] | None) -> bool:
 
 
 def accept(route: ChoiceRoute, event: OutputEvent) -> OutputEvent | None:
-    """``event`` renumbered onto what the client has, without tokens it already got; None to drop it."""
+    """``event`` without tokens the client already got (``completion_tokens`` counts from the choice's start,
+    across migrations); None to drop it."""
     n_new = len(event.token_ids)
-    total = event.completion_tokens + route.base if event.completion_tokens else len(route.token_ids) + n_new
+    total = event.completion_tokens or len(route.token_ids) + n_new
     before = total - n_new  # completion tokens that preceded this event's
     have = len(route.token_ids)
     if before > have:
@@ -85,6 +86,7 @@ def accept(route: ChoiceRoute, event: OutputEvent) -> OutputEvent | None:
         if not event.token_ids:
             event.text = ""
     route.token_ids.extend(event.token_ids)
+    route.text_len += len(event.text)
     event.completion_tokens = max(total, len(route.token_ids))
     event.prompt_tokens = len(route.prompt_token_ids) or event.prompt_tokens
     return event
@@ -117,7 +119,6 @@ class OutputRelay:
             return False
         logger.info("request %s (choice %d) migrated to %s on pod %s after %d tokens (%s)", old, index,
                     route.request_id, route.pod_id, len(route.token_ids), reason)
-        route.base = len(route.token_ids)
         route.last_event = route.last_check = time.monotonic()
         last_ids[index] = (keys.output_stream(route.request_id), "0-0")
         return True

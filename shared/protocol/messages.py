@@ -73,6 +73,9 @@ class PrefillRequest:
     cache_salt: str | None = None
     priority: int = 0
     choice_index: int = 0
+    # A migrated request resumes: the output its client already has (``LLMEngine.add_request``)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text_len: int = 0
 
     @property
     def prompt_tokens(self) -> int:

@@ -120,7 +120,8 @@ class Reserve:
 
 @dataclass(slots=True)
 class ReserveReply:
-    """``num_cached_blocks``: leading blocks the decode pod already holds; the sender skips them."""
+    """``num_cached_blocks``: leading blocks the decode pod already holds; the sender skips them.
+    ``duplicate``: the pod already took this request over (a queue entry delivered twice); nothing to send."""
 
     TYPE: ClassVar[str] = "reserve_reply"
     ok: bool
@@ -128,6 +129,7 @@ class ReserveReply:
     num_cached_blocks: int = 0
     lease_ttl_s: float = 0.0
     error: str | None = None
+    duplicate: bool = False
 
 
 @dataclass(slots=True)
@@ -177,7 +179,11 @@ class BlocksReply:
 
 @dataclass(slots=True)
 class Commit:
-    """Hands the request over: its first token and everything the decode pod needs to continue."""
+    """Hands the request over: its first token and everything the decode pod needs to continue.
+
+    A resumed (migrated) request's reserved KV ends with ``output_token_ids``, the output its client
+    already has (``output_text_len`` characters of text); ``first_token_id`` is the token after them.
+    """
 
     TYPE: ClassVar[str] = "commit"
     request_id: str
@@ -187,6 +193,8 @@ class Commit:
     arrival_time: float
     deadline: float | None = None
     first_token_time: float | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text_len: int = 0
 
 
 @dataclass(slots=True)

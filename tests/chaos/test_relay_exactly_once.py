@@ -21,17 +21,19 @@ def ev(rid: str, tokens: list[int], completion: int, finish: str | None = None, 
                        completion_tokens=completion, finish_reason=finish, prompt_tokens=5, **kw)
 
 
-def test_accept_drops_a_replayed_first_token_and_renumbers_after_migration():
+def test_accept_drops_a_replayed_first_token_and_continues_after_migration():
     route = ChoiceRoute("r", prompt_token_ids=[1, 2, 3, 4, 5])
     assert accept(route, ev("r", [10], 1)).token_ids == [10]
     assert accept(route, ev("r", [10], 1)) is None  # the reclaiming prefill worker's replay
     assert accept(route, ev("r", [11], 2)).completion_tokens == 2
-    route.base = 2  # migrated: the new request counts from 1 again, with [10, 11] in its prompt
-    got = accept(route, ev("r~m1", [12], 1))
+    assert route.text_len == len("<10><11>")
+    # migrated: the new request resumes with [10, 11] as its output, so it counts on from 2
+    got = accept(route, ev("r~m1", [12], 3))
     assert (got.token_ids, got.completion_tokens, got.prompt_tokens) == ([12], 3, 5)
-    final = accept(route, ev("r~m1", [13], 2, "length"))
+    assert accept(route, ev("r~m1", [12], 3)) is None  # its own reclaimed prefill's replay
+    final = accept(route, ev("r~m1", [13], 4, "length"))
     assert (final.token_ids, final.completion_tokens, final.finish_reason) == ([13], 4, "length")
-    assert route.token_ids == [10, 11, 12, 13]
+    assert route.token_ids == [10, 11, 12, 13] and route.text_len == len("<10><11><12><13>")
 
 
 def test_accept_keeps_a_replayed_final_event_without_its_tokens():
@@ -55,10 +57,11 @@ def test_relay_replay_then_migration_gives_each_token_once(redis_url):
         async def migrate(index, r, reason):
             migrations.append(reason)
             r.request_id, r.pod_id = "req~m1", "pod-b"
-            # the new pod continues after the two tokens the client has
-            await writer.write(ev("req~m1", [12], 1))
-            await writer.write(ev("req~m1", [13], 2))
-            await writer.write(ev("req~m1", [14], 3, "length"))
+            # the new pod resumes after the two tokens the client has
+            assert (r.token_ids, r.text_len) == ([10, 11], len("<10><11>"))
+            await writer.write(ev("req~m1", [12], 3))
+            await writer.write(ev("req~m1", [13], 4))
+            await writer.write(ev("req~m1", [14], 5, "length"))
             return True
 
         # a prefill worker emitted the first token and died; the reclaiming one emits it again; decode goes on

@@ -107,3 +107,62 @@ def test_bad_input_gets_openai_error_and_server_stays_healthy(ensemble, client):
     assert set(error) >= {"message", "type", "param", "code"}
     ok = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4)
     assert ok.choices[0].text
+
+
+def test_a_queue_entry_delivered_twice_is_decoded_once(ensemble, offline, prompt_of):
+    """Redis Streams deliver at least once: a prefill worker killed after the decode pod's commit reply but
+    before its XACK leaves the entry pending, and another worker reclaims it (XAUTOCLAIM) and runs it again.
+    The fault is injected by queueing a second copy of the in-flight request's entry — what the reclaiming
+    worker receives. Oracle: the client's stream equals the offline engine's greedy text with no error, the
+    decode pod generated the request's tokens once, and the redelivered entry is acknowledged."""
+    import json
+
+    import redis
+
+    from pdserve import SamplingParams
+    from pdserve.shared.protocol import keys
+    from pdserve.shared.protocol.messages import PrefillRequest
+
+    prompt = prompt_of(40, offset=7)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = offline.generate([prompt], params)[0].outputs[0]
+    decode = ensemble.pods("decode")[0]
+    before = ensemble.stats(decode)["generation_tokens"]
+    r = redis.Redis.from_url(ensemble.redis_url)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, usage, errors, redelivered = "", None, [], False
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{ensemble.router_url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[len("data: "):])
+                errors += [data["error"]] if "error" in data else []
+                usage = data.get("usage") or usage
+                text += "".join(c.get("text") or "" for c in data.get("choices") or [])
+                if text and not redelivered:
+                    streams = [k.decode() for k in r.scan_iter(match=keys.output_stream("*"))]
+                    assert len(streams) == 1, streams
+                    rid = streams[0].removeprefix(keys.output_stream(""))
+                    # the first worker acknowledged its entry: it handed the request over
+                    deadline = time.monotonic() + 30
+                    while r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"] and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    again = PrefillRequest(rid, MODEL, prompt, params.to_dict(), decode["pod_id"], decode["host"],
+                                           int(decode["kv_port"]), time.time())
+                    r.xadd(keys.PREFILL_STREAM, again.encode())
+                    redelivered = True
+    assert redelivered and not errors
+    assert text == want.text and usage["completion_tokens"] == 48
+    prefill = ensemble.pods("prefill")[0]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"]
+                                           or ensemble.stats(prefill)["requests_tracked"]):
+        time.sleep(0.2)
+    assert r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"] == 0
+    assert ensemble.stats(decode)["generation_tokens"] - before == 48
+    assert f"request {rid} is already on decode pod" in (ensemble.log_dir / "prefill-0.log").read_text()
+    r.delete(keys.output_stream(rid))  # the replayed first token's stream (it expires on its own as well)
+    r.close()
