@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import click
 import httpx
@@ -350,17 +350,20 @@ async def prefill_kill(cluster: Cluster, n: int, max_tokens: int, wait_s: float 
                  f"{emitted}/{n} first tokens out, {holders.get(victim, 0)} entries held by {victim} at the kill")
 
 
-async def decode_kill(cluster: Cluster, n: int, max_tokens: int) -> Tally:
+async def decode_kill(cluster: Cluster, n: int, max_tokens: int,
+                      variants: Sequence[dict[str, Any]] = ({"ignore_eos": True},)) -> Tally:
     """SIGKILL a decode worker while it generates (after every client got 3 tokens); its requests move to a
-    live decode pod with the tokens already sent."""
+    live decode pod and resume after the tokens already sent. Request ``i`` adds ``variants[i % len]`` to its
+    body (e.g. ``temperature`` + ``seed``: a seeded request resumes its sampling; ``stop``)."""
     texts = prompts(n, seed=2)
-    want = await reference(cluster.router_url, texts, max_tokens, ignore_eos=True)
+    per = [dict(variants[i % len(variants)]) for i in range(n)]
+    want = [(await reference(cluster.router_url, [t], max_tokens, **p))[0] for t, p in zip(texts, per)]
     progress = [0] * n
     async with httpx.AsyncClient(timeout=120) as client:
         def on_token(i: int) -> Callable[[int], None]:
             return lambda count: progress.__setitem__(i, count)
-        tasks = [asyncio.create_task(completion(client, cluster.router_url, p, max_tokens, ignore_eos=True,
-                                                on_token=on_token(i))) for i, p in enumerate(texts)]
+        tasks = [asyncio.create_task(completion(client, cluster.router_url, p, max_tokens, on_token=on_token(i),
+                                                **per[i])) for i, p in enumerate(texts)]
         while min(progress) < 3 and not all(t.done() for t in tasks):
             await asyncio.sleep(0.02)
         busy = [name for name in cluster.names("decode") if cluster.stats(name).get("num_running", 0) > 0]

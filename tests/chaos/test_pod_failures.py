@@ -66,10 +66,27 @@ def test_prefill_worker_killed_mid_request_loses_and_repeats_nothing(cluster):
     assert "reclaimed queue entry" in cluster.log(survivors[0])
 
 
+def late_stop_string(text: str) -> str:
+    """A 5-character piece of ``text`` whose first occurrence is at about 70 % of it."""
+    at = int(len(text) * 0.7)
+    while text.find(text[at:at + 5]) != at:
+        at += 1
+    return text[at:at + 5]
+
+
 def test_decode_worker_killed_mid_generation_continues_on_another(cluster):
-    tally = asyncio.run(chaos.decode_kill(cluster, 3, 32))
-    assert tally.count("completed") == tally.sent == 3, summary(tally)
+    """Greedy and seeded requests, with and without a stop string late in their text: each resumes on the
+    surviving pod and the client's text equals the uninterrupted run's (same finish reason, same usage)."""
+    seeded = {"temperature": 0.9, "seed": 11, "ignore_eos": True}
+    greedy = {"ignore_eos": True}
+    texts = chaos.prompts(4, seed=2)
+    plain = [asyncio.run(chaos.reference(cluster.router_url, [t], 32, **v))[0] for t, v in zip(texts, [greedy, seeded] * 2)]
+    variants = [greedy, seeded, {**greedy, "stop": [late_stop_string(plain[2].text)]},
+                {**seeded, "stop": [late_stop_string(plain[3].text)]}]
+    tally = asyncio.run(chaos.decode_kill(cluster, 4, 32, variants))
+    assert tally.count("completed") == tally.sent == 4, summary(tally)
     assert tally.wrong == 0, summary(tally)
+    assert [o.finish_reason for o in tally.outcomes] == ["length", "length", "stop", "stop"], summary(tally)
     assert "migrated" in cluster.log("router") or "lost decode pod" in cluster.log("router")
 
 
