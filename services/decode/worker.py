@@ -139,18 +139,33 @@ class DecodeWorker(Worker):
             await self.kv_server.stop()
         await super().stop()
 
-    async def _consume_local(self) -> None:
-        """Requests this pod prefills itself, from its own stream."""
-        stream = keys.decode_stream(self.settings.pod_id)
+    async def _ensure_group(self, stream: str) -> None:
         try:
             await self.redis.xgroup_create(stream, keys.DECODE_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+
+    async def _consume_local(self) -> None:
+        """Requests this pod prefills itself, from its own stream (which expires if this pod stops beating:
+        then the router's next XADD recreates it without a group, and the group is made again here, at id 0
+        so that entry is read)."""
+        stream = keys.decode_stream(self.settings.pod_id)
+        await self._ensure_group(stream)
         while True:
             try:
                 entries = await self.redis.xreadgroup(keys.DECODE_GROUP, self.settings.pod_id, {stream: ">"},
                                                       count=32, block=1000)
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    try:
+                        await self._ensure_group(stream)
+                        continue
+                    except (RedisError, OSError) as again:
+                        exc = again
+                logger.warning("reading %s failed (%s); retrying", stream, exc)
+                await asyncio.sleep(1.0)
+                continue
             except (RedisError, OSError) as exc:
                 logger.warning("reading %s failed (%s); retrying", stream, exc)
                 await asyncio.sleep(1.0)

@@ -4,6 +4,10 @@ Keys (prefix ``pdserve:registry:``):
     pod:{pod_id}    hash, one JSON-encoded value per PodInfo field; EXPIRE pod_ttl_s on every beat
     alive:{role}    sorted set pod_id -> last heartbeat (Redis server time, unix s)
     kv:*:{pod_id}   the pod's block index (``kv_index.py``): refreshed by each beat, deleted with the pod
+A decode pod's own request stream (``keys.decode_stream``, local prefill) gets 10 x ``pod_ttl_s`` on every
+beat: a dead pod's stream (its consumer group, entries nobody will read) leaves Redis; the router has
+migrated those requests once the pod left the registry. The margin keeps a live pod's stream through a
+registry outage; a stream that expires anyway is recreated by the next XADD and its group by the pod.
 A pod is alive while its hash exists and its score is within ``pod_ttl_s`` of Redis's clock; stale
 set members are trimmed on read. Times come from Redis ``TIME``, so registries on hosts with skewed
 clocks still agree.
@@ -16,6 +20,7 @@ import json
 from redis.asyncio import Redis
 
 from pdserve.services.registry.kv_index import blocks_key, seq_key
+from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.registry import ROLES, PodInfo
 
 PREFIX = "pdserve:registry:"
@@ -51,6 +56,8 @@ class PodStore:
             pipe.pexpire(blocks_key(info.pod_id), ttl_ms)  # its blocks live exactly as long as its record
             pipe.pexpire(seq_key(info.pod_id), ttl_ms)
             pipe.pexpire(alive_key(info.role), ttl_ms * 10)  # an abandoned deployment leaves nothing behind
+            if info.role == "decode":
+                pipe.pexpire(keys.decode_stream(info.pod_id), ttl_ms * 10)
             for other in ROLES:
                 if other != info.role:
                     pipe.zrem(alive_key(other), info.pod_id)

@@ -166,3 +166,37 @@ def test_a_queue_entry_delivered_twice_is_decoded_once(ensemble, offline, prompt
     assert f"request {rid} is already on decode pod" in (ensemble.log_dir / "prefill-0.log").read_text()
     r.delete(keys.output_stream(rid))  # the replayed first token's stream (it expires on its own as well)
     r.close()
+
+
+def test_decode_pod_reads_its_request_stream_again_after_it_expired(ensemble, offline, prompt_of):
+    """A decode pod's own request stream expires when the pod stops heartbeating (the registry sets its TTL);
+    a live pod whose stream expired anyway (a long registry outage) must read the stream the router's next
+    XADD creates, without a consumer group. Oracle: the offline engine's tokens on the output stream."""
+    import redis
+
+    from pdserve import SamplingParams
+    from pdserve.shared.protocol import keys
+    from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest
+
+    prompt = prompt_of(20, offset=9)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = offline.generate([prompt], params)[0].outputs[0].token_ids
+    decode = ensemble.pods("decode")[0]
+    r = redis.Redis.from_url(ensemble.redis_url)
+    stream = keys.decode_stream(decode["pod_id"])
+    assert r.delete(stream) == 1  # as its expiry would
+    request = PrefillRequest("expired-stream-0", MODEL, prompt, params.to_dict(), decode["pod_id"], decode["host"],
+                             int(decode["kv_port"]), time.time())
+    r.xadd(stream, request.encode())
+    tokens, last, finished = [], "0-0", False
+    deadline = time.monotonic() + 60
+    while not finished and time.monotonic() < deadline:
+        for _, entries in r.xread({keys.output_stream(request.request_id): last}, block=1000) or []:
+            for last, fields in entries:
+                event = OutputEvent.decode(fields)
+                assert event.error is None, event.error
+                tokens += event.token_ids
+                finished = finished or event.finish_reason is not None
+    assert tokens == want
+    r.delete(keys.output_stream(request.request_id))
+    r.close()

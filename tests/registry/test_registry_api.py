@@ -91,6 +91,30 @@ async def test_a_silent_pod_drops_out_after_its_ttl(redis_url, redis_server):
         await r.close()
 
 
+async def test_a_dead_decode_pods_own_request_stream_leaves_redis(redis_url):
+    """The decode pod's local-prefill stream (with its consumer group and an entry nobody will read) lives
+    10 x pod TTL past the last beat, then is gone; a prefill pod's beat leaves other keys alone."""
+    import redis
+
+    from pdserve.shared.protocol import keys
+    r = Registry(redis_url, pod_ttl_s=0.2)
+    sync = redis.Redis.from_url(redis_url)
+    stream = keys.decode_stream("decode-0")
+    try:
+        sync.xgroup_create(stream, keys.DECODE_GROUP, id="0", mkstream=True)
+        sync.xadd(stream, {"data": b"x"})
+        sync.xadd(keys.decode_stream("prefill-0"), {"data": b"x"})
+        await r.client.heartbeat(pod())
+        await r.client.heartbeat(pod("prefill-0", "prefill"))
+        assert 1000 < sync.pttl(stream) <= 2000
+        assert sync.pttl(keys.decode_stream("prefill-0")) == -1  # not a decode pod: untouched
+        await until(lambda: asyncio.sleep(0, not sync.exists(stream)), timeout_s=10)
+    finally:
+        sync.delete(keys.decode_stream("prefill-0"))
+        sync.close()
+        await r.close()
+
+
 async def test_deregister_removes_at_once_and_then_404s(registry):
     await registry.client.heartbeat(pod())
     assert await registry.client.deregister("decode-0") is True
