@@ -225,6 +225,9 @@ class LLMEngine:
         if request_id in self.groups or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         output_token_ids = list(output_token_ids or ())
+        if cache_salt is not None and not cache_salt:
+            # block hashes treat "" like no salt: it would share the unsalted tenants' prefix cache
+            raise RequestRejected("cache_salt must be a non-empty string when given.", "cache_salt")
         max_tokens = self.validate_prompt(prompt_token_ids, params)
         self.validate_output(prompt_token_ids, output_token_ids, params, max_tokens)
         request = self._new_request(request_id, prompt_token_ids, params, max_tokens, arrival_time, priority,

@@ -119,3 +119,11 @@ def test_kv_handover_between_engines_gives_the_same_tokens(llm_fp32, prompt_of, 
             tokens = out.outputs[0].token_ids
     assert tokens == want
     assert decode.get_stats()["prompt_tokens_computed"] == 0  # the decode engine never ran the prompt
+
+
+def test_empty_cache_salt_is_rejected_not_taken_for_no_salt(llm_fp32, prompt_of):
+    engine = llm_fp32.llm_engine
+    with pytest.raises(RequestRejected) as err:
+        engine.add_request("salt", prompt_of(8), GREEDY, cache_salt="")
+    assert (err.value.param, str(err.value)) == ("cache_salt", "cache_salt must be a non-empty string when given.")
+    assert "salt" not in engine.groups
