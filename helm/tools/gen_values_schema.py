@@ -68,13 +68,23 @@ def scaled_tier(props):
     base.update(props)
     return obj(base, required=["minReplicas", "maxReplicas"])
 
+# NetworkPolicyPeer / NetworkPolicyEgressRule, shaped as the Kubernetes API has them (an empty peer is invalid there).
+SELECTOR = obj({"matchLabels": STRMAP, "matchExpressions": LIST})
+PEER = obj({"podSelector": SELECTOR, "namespaceSelector": SELECTOR,
+            "ipBlock": obj({"cidr": {"type": "string", "minLength": 1}, "except": {"type": "array", "items": S}}, required=["cidr"])},
+           minProperties=1)
+PEERS = {"type": "array", "items": {"$ref": "#/$defs/networkPolicyPeer"}}
+NP_PORT = obj({"protocol": {"enum": ["TCP", "UDP", "SCTP"]}, "port": {"anyOf": [PORT, {"type": "string", "minLength": 1}]},
+               "endPort": PORT})
+EGRESS_RULE = obj({"to": PEERS, "ports": {"type": "array", "items": NP_PORT}})
+
 POS = {"type": "number", "exclusiveMinimum": 0}
 FRAC = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
 
 schema = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "pdserve chart values",
-    "$defs": {"resources": RES, "env": ENV, "pdb": PDB, "shm": SHM},
+    "$defs": {"resources": RES, "env": ENV, "pdb": PDB, "shm": SHM, "networkPolicyPeer": PEER},
     **obj({
         "global": MAP,
         "nameOverride": S,
@@ -147,6 +157,14 @@ schema = {
                         "tls": LIST}),
         "httpRoute": obj({"enabled": B, "annotations": STRMAP, "parentRefs": LIST, "hostnames": {"type": "array", "items": S},
                           "path": {"type": "string", "pattern": "^/"}}),
+        "networkPolicy": obj({
+            "enabled": B,
+            "router": obj({"ingressFrom": PEERS}),
+            "metrics": obj({"allow": {"enum": ["auto", True, False]}, "from": PEERS}),
+            "keda": obj({"from": PEERS}),
+            "allowExternalEgress": B,
+            "extraEgress": {"type": "array", "items": EGRESS_RULE},
+        }, required=["enabled"]),
         "serviceMonitor": obj({"enabled": B, "interval": S, "scrapeTimeout": S, "labels": STRMAP}),
         "loadtest": obj({"enabled": B, "args": {"type": "array", "items": S}, "backoffLimit": I0,
                          "ttlSecondsAfterFinished": I0, "resources": {"$ref": "#/$defs/resources"},
