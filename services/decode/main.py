@@ -12,6 +12,9 @@ from pdserve.shared.worker.cli_options import run_worker, worker_options
 @click.option("--kv-port", type=int, default=None, help="KV-transfer TCP port [PDSERVE_KV_PORT, default 9000].")
 @click.option("--colocated/--no-colocated", default=None, help="No prefill tier: this pod prefills every request.")
 @click.option("--lease-ttl-s", type=float, default=None, help="Seconds a KV reservation waits for its transfer.")
+@click.option("--handover-memory-s", type=float, default=None,
+              help="Seconds a taken-over request id is remembered, so a redelivered queue entry is not decoded "
+                   "twice [PDSERVE_HANDOVER_MEMORY_S, default 900].")
 def command(**flags) -> None:
     """Run a decode worker. Flags override PDSERVE_* environment variables."""
     from pdserve.services.decode.worker import DecodeSettings, DecodeWorker
