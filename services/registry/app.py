@@ -1,11 +1,13 @@
 """The registry's HTTP API (FastAPI): heartbeats and block events in, alive pods and prefix overlaps out.
 
-API: shared/protocol/registry.py (pods) and shared/protocol/kv_events.py (block events, lookup).
+API: shared/protocol/registry.py (pods, authentication) and shared/protocol/kv_events.py (block events, lookup).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import time
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
@@ -18,10 +20,11 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.services.registry.kv_index import BlockIndex
 from pdserve.shared.protocol.kv_events import KVEventBatch, KVEventsReply, KVLookup, KVLookupReply, KVSnapshot, PodOverlap
-from pdserve.shared.protocol.registry import ROLES, PodInfo, Role
+from pdserve.shared.protocol.registry import ROLES, TOKEN_ENV, PodInfo, Role, check_token
 from pdserve.services.registry.settings import RegistrySettings
 from pdserve.services.registry.store import PodStore
 
@@ -32,6 +35,61 @@ def error_body(status: int, message: str, type_: str, param: str | None = None, 
                headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
+
+
+# Probes and scrapers carry no token (kubelet, Prometheus); these answer without one.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+_REFUSAL_LOG_EVERY_S = 10.0
+
+
+class BearerAuth:
+    """ASGI guard: every path but :data:`OPEN_PATHS` needs ``Authorization: Bearer <token>``.
+
+    Runs before routing and body parsing, so an unauthenticated caller learns nothing (not even a 400
+    or 404). Refusals: 401, ``WWW-Authenticate: Bearer``, the registry's error body with ``code``
+    ``missing_token`` (no bearer credentials) or ``invalid_token`` (another token). The comparison is
+    constant-time; neither token is ever logged.
+    """
+
+    def __init__(self, app: ASGIApp, token: str, metrics: _Metrics) -> None:
+        self.app = app
+        self._token = token.encode()
+        self._metrics = metrics
+        self._logged_at = float("-inf")
+        self._unlogged = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, presented = auth.partition(b" ")
+        presented = presented.strip()
+        if scheme.lower() != b"bearer" or not presented:
+            reason = "missing_token"
+            message = f"registry authentication required: send 'Authorization: Bearer <token>' ({TOKEN_ENV})"
+        elif not hmac.compare_digest(presented, self._token):
+            reason = "invalid_token"
+            message = f"registry token refused: it is not this registry's token ({TOKEN_ENV})"
+        else:
+            await self.app(scope, receive, send)
+            return
+        self._metrics.auth_failures.labels(reason).inc()
+        self._log_refusal(scope, reason)
+        response = error_body(401, message, "authentication_error", code=reason,
+                              headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _log_refusal(self, scope: Scope, reason: str) -> None:
+        # A scanner or a misconfigured pod can refuse thousands of times a minute: one line per interval.
+        now = time.monotonic()
+        if now - self._logged_at < _REFUSAL_LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        client = scope.get("client") or ("?", 0)
+        more = f" ({self._unlogged} more refused since the last such line)" if self._unlogged else ""
+        log.warning("registry: refused %s %s from %s: %s%s", scope["method"], scope["path"], client[0], reason, more)
+        self._logged_at, self._unlogged = now, 0
 
 
 class _Metrics:
@@ -51,6 +109,9 @@ class _Metrics:
                                ["pod", "role"], registry=r)
         self.free_blocks = Gauge("pdserve:registry_free_blocks", "Free KV blocks reported by alive pods",
                                  ["role"], registry=r)
+        self.auth_failures = Counter("pdserve:registry_auth_failures_total",
+                                     "Requests refused with 401 (reason: missing_token, invalid_token)", ["reason"],
+                                     registry=r)
 
 
 def create_app(settings: RegistrySettings | None = None) -> FastAPI:
@@ -63,14 +124,23 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     store = PodStore(redis, settings.pod_ttl_s)
     index = BlockIndex(redis, settings.pod_ttl_s)
     metrics = _Metrics()
+    token = check_token(settings.auth_token)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         log.info("registry: redis %s, pod TTL %.1f s", settings.redis_url, settings.pod_ttl_s)
+        if token is None:
+            log.warning("registry: UNAUTHENTICATED (%s unset): anyone who can reach this port can register or "
+                        "remove pods and ask which prompts are cached; set a token outside local development",
+                        TOKEN_ENV)
+        else:
+            log.info("registry: bearer token required on every path but %s", ", ".join(sorted(OPEN_PATHS)))
         yield
         await redis.aclose()
 
     app = FastAPI(title="pdserve registry", lifespan=lifespan)
+    if token is not None:
+        app.add_middleware(BearerAuth, token=token, metrics=metrics)
     app.state.store = store
     app.state.index = index
     app.state.settings = settings

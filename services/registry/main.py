@@ -13,6 +13,9 @@ import click
 @click.option("--redis-url", default=None, help="Redis URL [PDSERVE_REDIS_URL or REDIS_URL].")
 @click.option("--pod-ttl-s", type=float, default=None,
               help="Seconds without a heartbeat after which a pod is dropped [PDSERVE_POD_TTL_S, default 5].")
+@click.option("--auth-token", default=None,
+              help="Bearer token callers must send (all paths but /health, /metrics) [PDSERVE_REGISTRY_TOKEN; "
+                   "prefer the variable: a flag shows in the process list]. Unset: no authentication.")
 @click.option("--log-level", default=None, help="[PDSERVE_LOG_LEVEL, default info].")
 def command(**flags: object) -> None:
     """Run the pod registry: heartbeats in, alive prefill/decode pods out."""

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class RegistrySettings(BaseSettings):
     """``--pod-ttl-s`` <-> ``PDSERVE_POD_TTL_S`` and so on; ``REDIS_URL`` is accepted as well."""
 
-    model_config = SettingsConfigDict(env_prefix="PDSERVE_", populate_by_name=True, extra="ignore")
+    # hide_input_in_errors: a refused token (or a Redis URL with a password) must not reach the log
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_", populate_by_name=True, extra="ignore",
+                                      hide_input_in_errors=True)
 
     host: str = "0.0.0.0"
     port: int = Field(8001, ge=0, le=65535)
@@ -17,4 +19,14 @@ class RegistrySettings(BaseSettings):
                            validation_alias=AliasChoices("PDSERVE_REDIS_URL", "REDIS_URL"))
     # A pod whose last heartbeat is older than this is gone (pods beat every 1 s).
     pod_ttl_s: float = Field(5.0, gt=0)
+    # Bearer token every caller must send (all paths but /health and /metrics). None: no authentication,
+    # for local development only (a warning is logged at startup). Shared with router, prefill and decode.
+    auth_token: SecretStr | None = Field(None, validation_alias=AliasChoices("PDSERVE_REGISTRY_TOKEN", "auth_token"))
     log_level: str = "info"
+
+    @field_validator("auth_token")
+    @classmethod
+    def _token_usable(cls, v: SecretStr | None) -> SecretStr | None:
+        from pdserve.shared.protocol.registry import check_token
+        check_token(v)  # an empty token would open the registry to anyone sending "Bearer "
+        return v

@@ -7,6 +7,10 @@ HTTP API of ``services/registry`` (JSON):
     GET    /v1/pods/{pod_id}    -> 200 PodInfo | 404
     DELETE /v1/pods/{pod_id}    -> 200 {"deleted": true} | 404
 A pod missing heartbeats for ``pod_ttl_s`` (default 5 s) drops out of every answer.
+
+Authentication: a registry given a token (``PDSERVE_REGISTRY_TOKEN``) answers every path but ``/health`` and
+``/metrics`` only with ``Authorization: Bearer <token>``; otherwise 401 with ``WWW-Authenticate: Bearer`` and
+``{"error": {"message", "type": "authentication_error", "param": null, "code": "missing_token"|"invalid_token"}}``.
 Block events and prefix lookups (``/v1/kv/...``): see ``shared/protocol/kv_events.py``.
 """
 
@@ -20,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 if TYPE_CHECKING:
     from pdserve.shared.protocol.kv_events import KVEventBatch, KVEventsReply, KVLookupReply, KVSnapshot
@@ -71,6 +75,27 @@ class PodInfo(BaseModel):
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
+TOKEN_ENV = "PDSERVE_REGISTRY_TOKEN"
+
+
+def check_token(token: str | SecretStr | None) -> str | None:
+    """The registry token as a plain string, or ``None`` (no authentication).
+
+    Raises ``ValueError`` for an empty token (it would look like "no token" to one side and open the
+    registry on the other) or one that cannot travel in an HTTP header (visible ASCII only, no spaces).
+    The message never contains the token.
+    """
+    if isinstance(token, SecretStr):
+        token = token.get_secret_value()
+    if token is None:
+        return None
+    if not token:
+        raise ValueError(f"the registry token must not be empty (unset {TOKEN_ENV} for no authentication)")
+    if not all("!" <= c <= "~" for c in token):
+        raise ValueError("the registry token must be visible ASCII characters without spaces")
+    return token
+
+
 class RegistryError(Exception):
     """The registry could not be reached or answered with an error (``status`` when it answered)."""
 
@@ -79,13 +104,29 @@ class RegistryError(Exception):
         self.status = status
 
 
-class RegistryClient:
-    """Async client of the registry service (httpx). Every method raises :class:`RegistryError`."""
+class RegistryAuthError(RegistryError):
+    """The registry answered 401: this client's token is missing or is not the registry's.
 
-    def __init__(self, base_url: str, *, timeout_s: float = 2.0,
+    A configuration error: asking again cannot succeed, so :class:`Heartbeater` stops on it.
+    """
+
+
+class RegistryClient:
+    """Async client of the registry service (httpx). Every method raises :class:`RegistryError`
+    (:class:`RegistryAuthError` on a 401).
+
+    ``token``: sent as ``Authorization: Bearer <token>`` on every request (``None``: no header, for a
+    registry without authentication). Checked by :func:`check_token`.
+    """
+
+    def __init__(self, base_url: str, *, token: str | SecretStr | None = None, timeout_s: float = 2.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport)
+        token = check_token(token)
+        self._has_token = token is not None
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else None
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport,
+                                       headers=headers)
 
     async def heartbeat(self, info: PodInfo) -> PodInfo:
         """Registers or refreshes ``info``; returns it as stored (with ``last_heartbeat``)."""
@@ -145,6 +186,11 @@ class RegistryClient:
             raise RegistryError(f"registry {self.base_url} unreachable: {type(e).__name__}: {e}") from e
         if r.status_code == 404 and allow_404:
             return None
+        if r.status_code == 401:
+            why = (f"the registry token was refused: it is not the registry's (check {TOKEN_ENV})"
+                   if self._has_token else
+                   f"the registry requires a token and none was sent (set {TOKEN_ENV} to the registry's token)")
+            raise RegistryAuthError(f"registry {method} {path} -> 401: {why}", 401)
         if r.status_code != 200:
             try:
                 message = r.json()["error"]["message"]
@@ -158,8 +204,10 @@ class Heartbeater:
     """Background task: ``client.heartbeat(info_fn())`` every ``interval_s`` seconds.
 
     ``info_fn`` may be sync or async. Failures are logged (once per outage, then at DEBUG) and
-    retried with a backoff up to ``max_backoff_s``; they never end the task. ``stop()`` ends it and,
-    with ``deregister_on_stop``, removes the pod at once rather than waiting for its TTL.
+    retried with a backoff up to ``max_backoff_s``, except a :class:`RegistryAuthError` (wrong or
+    missing token): no retry can fix that, so it is logged as an error, kept in ``refused`` and ends the
+    task. ``stop()`` ends it and, with ``deregister_on_stop``, removes the pod at once rather than
+    waiting for its TTL.
     """
 
     def __init__(self, client: RegistryClient, info_fn: Callable[[], PodInfo | Awaitable[PodInfo]],
@@ -172,6 +220,7 @@ class Heartbeater:
         self.beats = 0
         self.failures = 0
         self.last_error: str | None = None
+        self.refused: RegistryAuthError | None = None
         self._pod_id: str | None = None
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -200,6 +249,13 @@ class Heartbeater:
                 if self.last_error is not None:
                     log.info("registry heartbeat of %s recovered", self._pod_id)
                 self.last_error, delay = None, self.interval_s
+            except RegistryAuthError as e:
+                self.failures += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+                self.refused = e
+                log.error("registry heartbeat of %s refused, not retrying (this pod stays unregistered): %s",
+                          self._pod_id, e)
+                return
             except Exception as e:
                 self.failures += 1
                 if self.last_error is None:
