@@ -46,7 +46,7 @@ class Worker:
         self.redis = aioredis.from_url(settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 6),
                                        retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.writer = OutputWriter(self.redis)
-        self.registry = RegistryClient(settings.registry_url)
+        self.registry = RegistryClient(settings.registry_url, token=settings.registry_token)
         self.heartbeater: Heartbeater | None = None
         self.kv_events: KVEventPublisher | None = None
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -14,6 +14,8 @@ _OPTIONS = [
     click.option("--advertise-host", default=None, help="Address other pods reach this one at [PDSERVE_ADVERTISE_HOST]."),
     click.option("--redis-url", default=None, help="Redis URL [PDSERVE_REDIS_URL or REDIS_URL]."),
     click.option("--registry-url", default=None, help="Block registry URL [PDSERVE_REGISTRY_URL]."),
+    click.option("--registry-token", default=None,
+                 help="The registry's bearer token [PDSERVE_REGISTRY_TOKEN; prefer the variable: a flag shows in ps]."),
     click.option("--kv-transfer-secret", default=None, help="Shared KV-transfer secret [PDSERVE_KV_TRANSFER_SECRET]."),
     click.option("--model", default=None, help="Model name, HF directory or .gguf [PDSERVE_MODEL]."),
     click.option("--dtype", default=None, help="float32|bfloat16|float16|auto [PDSERVE_DTYPE, default float32]."),

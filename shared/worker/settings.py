@@ -6,7 +6,7 @@ import os
 import socket
 import uuid
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve.shared.engine.config import EngineConfig
@@ -30,6 +30,8 @@ class WorkerSettings(BaseSettings):
     advertise_host: str = "127.0.0.1"
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=AliasChoices("PDSERVE_REDIS_URL", "REDIS_URL"))
     registry_url: str = "http://127.0.0.1:8001"
+    # The registry's bearer token (PDSERVE_REGISTRY_TOKEN); None for a registry without authentication.
+    registry_token: SecretStr | None = None
     kv_transfer_secret: str = "pdserve-dev-secret"
     heartbeat_interval_s: float = Field(1.0, gt=0)
     log_level: str = "info"
