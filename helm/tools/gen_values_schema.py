@@ -115,8 +115,11 @@ schema = {
         "logLevel": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error", "critical"]},
         "extraEnv": {"$ref": "#/$defs/env"},
         "secrets": obj({"apiKeys": {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": "^[^,]+$"}},
-                        "kvTransferSecret": S, "existingSecret": S, "apiKeysKey": S,
-                        "kvTransferSecretKey": S, "loadtestApiKeyKey": S}),
+                        "kvTransferSecret": S,
+                        # sent in an HTTP header: visible ASCII, no spaces (empty: generated)
+                        "registryToken": {"type": "string", "pattern": "^[!-~]*$"},
+                        "existingSecret": S, "apiKeysKey": S,
+                        "kvTransferSecretKey": S, "registryTokenKey": S, "loadtestApiKeyKey": S}),
         "redis": obj({
             "enabled": B,
             "image": obj({"repository": S, "tag": S, "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}),

@@ -66,6 +66,11 @@ app.kubernetes.io/part-of: pdserve
 {{- end }}
 {{- end }}
 
+{{/* The EnvVar (as JSON, for fromJson) giving a container PDSERVE_REGISTRY_TOKEN from the chart's Secret. */}}
+{{- define "pdserve.registryTokenEnv" -}}
+{{- dict "name" "PDSERVE_REGISTRY_TOKEN" "valueFrom" (dict "secretKeyRef" (dict "name" (include "pdserve.secretName" .) "key" .Values.secrets.registryTokenKey)) | toJson }}
+{{- end }}
+
 {{- define "pdserve.hasApiKeys" -}}
 {{- if or .Values.secrets.existingSecret .Values.secrets.apiKeys }}true{{- end }}
 {{- end }}
