@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -53,6 +53,9 @@ from .settings import RouterSettings
 
 logger = logging.getLogger("pdserve.router")
 REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
+# How long a Redis command waits for a pooled connection when all are in use before it fails (ConnectionError,
+# which the relay retries like an outage); a relay's XREAD gives its connection back within a second.
+REDIS_POOL_WAIT_S = 20.0
 
 
 @dataclass(slots=True)
@@ -151,9 +154,16 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal directory
-        # connection errors are retried with backoff (~6 s): a Redis restart costs a pause, not a 503
-        redis = Redis.from_url(settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 6),
-                               retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        # connection errors are retried with backoff (~6 s): a Redis restart costs a pause, not a 503.
+        # Every request in flight holds a pooled connection while its relay blocks in XREAD, so the pool is
+        # sized for the requests in flight and waits for a free connection when full: redis-py's default pool
+        # (100 connections, MaxConnectionsError at once when exhausted) turned an abort storm of 200 clients
+        # into 503s "Redis is unavailable" while Redis was fine.
+        pool = BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=settings.redis_max_connections, timeout=REDIS_POOL_WAIT_S,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 6),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        redis = Redis.from_pool(pool)
         owns_directory = directory is None
         if directory is None:
             from pdserve.shared.protocol.registry import RegistryClient

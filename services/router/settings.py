@@ -55,6 +55,10 @@ class RouterSettings(BaseSettings):
     # gets 429 with Retry-After (0 = no limit).
     max_queued_requests: int = Field(0, ge=0)
     max_queued_prompt_tokens: int = Field(0, ge=0)
+    # Connections to Redis this router opens at most: each request in flight holds one while it waits for
+    # output (a blocking XREAD); past the limit commands wait for a free one. Keep it below Redis's maxclients
+    # (10,000 by default) divided by the number of routers.
+    redis_max_connections: int = Field(1024, gt=0)
     # How long a request's output reader keeps retrying while Redis is unreachable (a restart) before 503 (s).
     redis_retry_s: float = Field(30.0, ge=0)
     # Requests this router serves at once; one more gets 429 with Retry-After (0 = no limit).
