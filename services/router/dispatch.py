@@ -37,6 +37,24 @@ from .kv_routing import Candidate, RoundRobin, choose, pod_load, uncached_tokens
 logger = logging.getLogger(__name__)
 
 
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a caller that left does not want it logged as "never retrieved"
+
+
+async def _uncancelled(coro: Any) -> Any:
+    """Await ``coro``; if the caller is cancelled (its client hung up), ``coro`` still runs to its end.
+
+    A registry call cancelled while it waits for a pooled connection leaks that pool slot for good in httpcore
+    1.0.9 (encode/httpcore#1093): an abort storm of 200 clients left the router's registry client with no
+    free connection, and every later request got 503 "The pod registry is unreachable" (PoolTimeout) until
+    the router restarted. A call is short (its client times out after 2 s), so letting it finish is cheap.
+    """
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(_retrieve)
+    return await asyncio.shield(task)
+
+
 class PodLike(Protocol):
     pod_id: str
     host: str
@@ -98,6 +116,7 @@ class Dispatcher:
         self.retry_after_s = retry_after_s
         self.in_flight: Counter[str] = Counter()
         self._cache: dict[str, tuple[float, list[Any]]] = {}
+        self._asking: dict[str, asyncio.Future] = {}  # role -> the registry call in flight for it
         self._groups: set[str] = set()
 
     async def pods(self, role: str) -> list[Any]:
@@ -105,8 +124,18 @@ class Dispatcher:
         cached = self._cache.get(role)
         if cached is not None and now - cached[0] < self.cache_s:
             return cached[1]
+        # One registry call per role at a time, shared by everyone who asks meanwhile: when the cache expires
+        # under load (hundreds of stalled choices checking their pod), they would otherwise send one call each.
+        task = self._asking.get(role)
+        if task is None:
+            task = asyncio.ensure_future(self._list_pods(role))
+            self._asking[role] = task
+            task.add_done_callback(lambda t: (self._asking.pop(role, None), _retrieve(t)))
+        return await asyncio.shield(task)
+
+    async def _list_pods(self, role: str) -> list[Any]:
         pods = list(await self._ask_registry(self.directory.list_pods, role))
-        self._cache[role] = (now, pods)
+        self._cache[role] = (time.monotonic(), pods)
         return pods
 
     async def _ask_registry(self, call, *args):
@@ -114,7 +143,7 @@ class Dispatcher:
         machine or a Redis restart costs a little latency, not a 503."""
         for attempt, pause in enumerate((0.2, 0.5, None)):
             try:
-                return await call(*args)
+                return await _uncancelled(call(*args))
             except Exception as exc:
                 logger.warning("registry call failed (attempt %d: %s: %s)", attempt + 1, type(exc).__name__, exc)
                 if pause is None:
