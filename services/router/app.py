@@ -68,7 +68,7 @@ class RouterState:
     defaults: dict[str, Any]
     created: int = field(default_factory=lambda: int(time.time()))
     active: int = 0  # requests between submit and finish
-    queued: int = 0  # admitted requests with no output yet (waiting in a queue or in prefill)
+    queued: int = 0  # admitted requests not decoding yet (in a queue, in prefill, or waiting for a decode slot)
     queued_tokens: int = 0  # their prompt tokens (all choices)
 
 
@@ -83,8 +83,9 @@ class Job:
     builder: ResponseBuilder
     closed: bool = False
     routes: list[ChoiceRoute] = field(default_factory=list)  # per choice: its current request and tokens sent
-    queued_tokens: int = 0  # what this job adds to RouterState.queued_tokens until its first output
+    queued_tokens: int = 0  # what this job adds to RouterState.queued_tokens until it is decoding
     queued: bool = False
+    decoding: set[int] = field(default_factory=set)  # choices whose decode pod has generated (or that finished)
 
 
 def _version() -> str:
@@ -317,16 +318,17 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         if limit and st.active >= limit:
             raise OpenAIError(429, f"The server is serving its limit of {limit} concurrent requests; retry later",
                               headers=retry)
-        # Admission on what is still waiting for its first token: bounded queues keep admitted requests' TTFT
-        # bounded under overload (the surplus is told to come back instead of queueing without end).
+        # Admission on what is not decoding yet: bounded queues keep admitted requests' latency bounded under
+        # overload (the surplus is told to come back instead of queueing without end). See ``started_decoding``
+        # for why the first token is not the end of the queue.
         new_tokens = sum(len(ids) for ids in p.prompts) * p.n
         if settings.max_queued_requests and st.queued >= settings.max_queued_requests:
-            raise OpenAIError(429, f"{st.queued} requests are waiting for their first token (limit "
+            raise OpenAIError(429, f"{st.queued} requests are waiting for prefill or a decode slot (limit "
                                    f"{settings.max_queued_requests}); retry later", headers=retry)
         if settings.max_queued_prompt_tokens and st.queued and \
                 st.queued_tokens + new_tokens > settings.max_queued_prompt_tokens:
-            raise OpenAIError(429, f"{st.queued_tokens} prompt tokens are waiting for prefill (limit "
-                                   f"{settings.max_queued_prompt_tokens}); retry later", headers=retry)
+            raise OpenAIError(429, f"{st.queued_tokens} prompt tokens are waiting for prefill or a decode slot "
+                                   f"(limit {settings.max_queued_prompt_tokens}); retry later", headers=retry)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         header_id = request.headers.get("x-request-id")
         client_id = req.request_id or (header_id if header_id and REQUEST_ID_RE.match(header_id) else None)
@@ -396,6 +398,14 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                 st.dispatcher.finished(pod_id, job.pods.count(pod_id))
             job.pods.clear()
 
+    def started_decoding(event: OutputEvent) -> bool:
+        """Whether this choice has left every queue. Not its first token: a prefill pod samples that before the
+        KV hand-over, and the hand-over waits (reservation retries, the exported KV held in the prefill pod's
+        memory) until the decode pod has free blocks. Counting requests as queued only until their first token
+        let them pile up there without limit at 10x load (admitted latency grew for as long as the overload
+        lasted); the second token comes from the decode pod's running batch."""
+        return event.finished or event.error is not None or event.completion_tokens >= 2
+
     def dequeue(st: RouterState, job: Job) -> None:
         if job.queued:
             job.queued = False
@@ -419,7 +429,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                 migrate if settings.migration_stall_s else None,
                                 redis_retry_s=settings.redis_retry_s)
             async for index, event in relay:
-                dequeue(st, job)
+                if job.queued and started_decoding(event):
+                    job.decoding.add(index)
+                    if len(job.decoding) == len(job.routes):
+                        dequeue(st, job)
                 timings[index].on_event(st.metrics, event)
                 if event.error is not None:
                     err = event.error

@@ -74,7 +74,7 @@ def test_overload_gets_429_with_retry_after_and_admitted_requests_complete(clust
     assert len(rejected) == 3 * MAX_QUEUED, summary(tally)
     for o in rejected:
         assert o.retry_after == "1"
-        assert o.error["type"] == "RateLimitError" and "waiting for their first token" in o.error["message"]
+        assert o.error["type"] == "RateLimitError" and "waiting for prefill or a decode slot" in o.error["message"]
 
 
 def test_request_stuck_past_its_timeout_gets_504_and_releases_everything(cluster):
