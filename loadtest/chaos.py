@@ -8,7 +8,9 @@ same children ``pdserve up`` starts), runs each scenario under load and prints o
 sent, completed, failed with a clear error (an OpenAI error body or error chunk naming the cause), lost
 (no answer, a broken stream, a 5xx without an error body — must be 0), wrong (a completed greedy answer
 that differs from the uninterrupted run's, or duplicated/missing tokens) and the p99 latency of the
-completed requests. ``tests/chaos`` runs the same scenarios small, as assertions.
+completed requests; the last row is the 10x overload of ``loadtest/overload.py`` (sustainable rate measured,
+then ten times it offered open-loop against the router's admission limits), whose latency and memory tables
+follow the main one. ``tests/chaos`` runs the same scenarios small, as assertions.
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ class Outcome:
     exception: str | None = None
     retry_after: str | None = None
     wrong: bool = False
+    ttft_s: float | None = None  # time to the first text chunk (streamed requests)
 
     @property
     def kind(self) -> str:
@@ -236,6 +239,8 @@ async def completion(client: httpx.AsyncClient, url: str, prompt: str, max_token
                     out.completion_tokens = data["usage"]["completion_tokens"]
                 for choice in data.get("choices") or []:
                     if choice.get("text"):
+                        if out.ttft_s is None:
+                            out.ttft_s = time.monotonic() - started
                         out.text += choice["text"]
                         chunks += 1
                         if on_token is not None:
@@ -389,7 +394,8 @@ async def abort_storm(cluster: Cluster, n: int, max_tokens: int, seed: int = 0) 
     """``n`` streaming clients, each hanging up after a random number of tokens (0 = before the first)."""
     rng = random.Random(seed)
     texts = prompts(n, words=40, seed=4)
-    async with httpx.AsyncClient(timeout=300) as client:
+    # all n at once: httpx's default pool (100 connections) would hold the rest back in the client
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=n + 16)) as client:
         outcomes = await asyncio.gather(*[completion(client, cluster.router_url, p, max_tokens, ignore_eos=True,
                                                      disconnect_after=rng.randint(0, max_tokens - 1))
                                           for p in texts])
@@ -398,7 +404,19 @@ async def abort_storm(cluster: Cluster, n: int, max_tokens: int, seed: int = 0) 
         if o.exception == "disconnected by the client":
             o.exception, o.status, o.done, o.finish_reason = None, 200, True, "stop"
         tally.outcomes.append(o)
+    tally.note = errors_note(tally.outcomes)
     return tally
+
+
+def errors_note(outcomes: list[Outcome]) -> str:
+    """What the clear errors were, grouped: ``"3x 503 ServiceUnavailableError 'No decode pod ...'"``."""
+    groups: dict[str, int] = {}
+    for o in outcomes:
+        if o.kind == "clear_error" and o.error:
+            code = o.error.get("code") or o.status
+            key = f"{code} {o.error.get('type')} {str(o.error.get('message'))[:90]!r}"
+            groups[key] = groups.get(key, 0) + 1
+    return "; ".join(f"{n}x {k}" for k, n in sorted(groups.items(), key=lambda kv: -kv[1]))
 
 
 async def overload(url: str, n: int, max_tokens: int) -> Tally:
@@ -482,9 +500,14 @@ async def redis_restart(cluster: Cluster, server: AofRedis, n: int, max_tokens: 
               help="Requests sent at once against --max-queued admission.")
 @click.option("--max-queued", type=click.IntRange(min=1), default=8, show_default=True,
               help="The router's --max-queued-requests in the overload scenario.")
+@click.option("--max-queued-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="The router's --max-queued-prompt-tokens in the 10x overload scenario.")
+@click.option("--overload-10x-s", "ten_x_s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Length of the 10x open-loop phase (loadtest/overload.py; 0 = skip it).")
 @click.option("--max-tokens", type=click.IntRange(min=4), default=16, show_default=True)
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
-def command(n: int, storm: int, overload_n: int, max_queued: int, max_tokens: int, log_dir: Path | None) -> None:
+def command(n: int, storm: int, overload_n: int, max_queued: int, max_queued_tokens: int, ten_x_s: float,
+            max_tokens: int, log_dir: Path | None) -> None:
     """Run every fault scenario against fresh local ensembles and print the table."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
     env = {"PDSERVE_CLAIM_IDLE_S": "3", "PDSERVE_POD_TTL_S": "8", "PDSERVE_MIGRATION_STALL_S": "1",
@@ -499,7 +522,8 @@ def command(n: int, storm: int, overload_n: int, max_queued: int, max_tokens: in
             return not s["output_streams"] and not s["pending"] and all(
                 d["kv_blocks_used"] == base["decode"][k]["kv_blocks_used"] and d["kv_active_leases"] == 0
                 for k, d in s["decode"].items())
-        tallies[-1].note = "leftovers: " + ("none" if wait_for(clean, 60, 0.5) else json.dumps(leftovers(cluster)))
+        left = "leftovers: " + ("none" if wait_for(clean, 60, 0.5) else json.dumps(leftovers(cluster)))
+        tallies[-1].note = "; ".join(x for x in (left, tallies[-1].note) if x)
         click.echo(table(tallies[-1:]), err=True)
         tallies.append(asyncio.run(prefill_kill(cluster, n, max_tokens)))
         tallies.append(asyncio.run(decode_kill(cluster, n, max_tokens * 2)))
@@ -516,8 +540,19 @@ def command(n: int, storm: int, overload_n: int, max_queued: int, max_tokens: in
             tallies.append(asyncio.run(redis_restart(cluster, server, n, max_tokens)))
     finally:
         server.stop()
+    detail, ten_x_ok = "", True
+    if ten_x_s > 0:
+        from pdserve.loadtest import overload as ov
+        with Cluster(1, 1, ov.limits_env(max_queued, max_queued_tokens), log_dir=log_dir / "overload") as cluster:
+            result = ov.run(cluster, clients=max_queued, duration_s=ten_x_s, max_tokens=max_tokens,
+                            echo=lambda m: click.echo(m, err=True))
+        tallies.append(ov.tally(result, max_queued))
+        detail, ten_x_ok = ov.report(result), ov.ok(result)
     click.echo(table(tallies))
-    if any(t.count("lost") or t.wrong for t in tallies):
+    if detail:
+        click.echo(f"\n10x overload (max_queued_requests {max_queued}, max_queued_prompt_tokens "
+                   f"{max_queued_tokens}):\n{detail}")
+    if any(t.count("lost") or t.wrong for t in tallies) or not ten_x_ok:
         sys.exit(1)
 
 

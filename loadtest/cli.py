@@ -27,7 +27,7 @@ def one_line_errors(f):
 
 @click.group()
 def bench() -> None:
-    """Load tests: serve, sweep, mock-server, client-overhead, pd-vs-colocated."""
+    """Load tests: serve, sweep, mock-server, client-overhead, pd-vs-colocated, chaos, overload."""
 
 
 @bench.command("serve", cls=GreedyCommand)
@@ -74,6 +74,7 @@ def _register() -> None:
     from pdserve.loadtest.overhead import client_overhead_command
     from pdserve.loadtest.pd_compare import pd_vs_colocated_command
     from pdserve.loadtest.chaos import command as chaos_command
+    from pdserve.loadtest.overload import command as overload_command
     from pdserve.loadtest.kv_routing_bench import kv_routing_command
     from pdserve.loadtest.kv_transfer_bench import kv_transfer_command
     from pdserve.loadtest.offline_throughput import main as throughput_command
@@ -84,6 +85,7 @@ def _register() -> None:
                 kv_routing_command, kv_transfer_command, ttft_breakdown_command):
         bench.add_command(cmd)
     bench.add_command(chaos_command, "chaos")
+    bench.add_command(overload_command, "overload")
     bench.add_command(throughput_command, "throughput")
 
 
