@@ -41,6 +41,7 @@ from .dispatch import Dispatcher, PodDirectory, RoutingConfig
 from .errors import OpenAIError
 from .metrics import RouterMetrics
 from .middleware import GuardMiddleware, StatusCounter
+from .tenancy import tenant_cache_salt
 from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, generation_defaults,
                      requested_max_tokens)
 from .prompts import PromptProcessor
@@ -168,7 +169,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         owns_directory = directory is None
         if directory is None:
             from pdserve.shared.protocol.registry import RegistryClient
-            directory = RegistryClient(settings.registry_url)
+            directory = RegistryClient(settings.registry_url, token=settings.registry_token)
         app.state.router = RouterState(
             settings=settings, processor=processor, redis=redis,
             dispatcher=Dispatcher(redis, directory, settings.registry_cache_s,
@@ -350,15 +351,17 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         st.queued += 1
         st.queued_tokens += new_tokens
         st.metrics.running.inc()
+        cache_salt = tenant_cache_salt(req.cache_salt, getattr(request.state, "api_key_id", None)) \
+            if settings.cache_salt_per_api_key else req.cache_salt
         try:
             for prompt_index, ids in enumerate(p.prompts):
-                placement = await st.dispatcher.place(len(ids), ids, req.cache_salt)
+                placement = await st.dispatcher.place(len(ids), ids, cache_salt)
                 pod = placement.pod
                 choices = [PrefillRequest(
                     request_id=request_ids[prompt_index * p.n + j], model=settings.model,
                     prompt_token_ids=ids, sampling_params=p.choice_params(prompt_index, j),
                     decode_pod_id=pod.pod_id, decode_host=pod.host, decode_kv_port=int(pod.kv_port),
-                    arrival_time=arrival_wall, deadline=None, cache_salt=req.cache_salt,
+                    arrival_time=arrival_wall, deadline=None, cache_salt=cache_salt,
                     priority=req.priority, choice_index=prompt_index * p.n + j) for j in range(p.n)]
                 await st.dispatcher.enqueue(placement, choices)
                 pods.extend([pod.pod_id] * p.n)

@@ -19,6 +19,9 @@ from .settings import RouterSettings
 @click.option("--redis-url", default=None, help="Redis URL [PDSERVE_REDIS_URL or REDIS_URL].")
 @click.option("--registry-url", default=None, help="Block registry URL [PDSERVE_REGISTRY_URL].")
 @click.option("--api-key", default=None, help="Accepted API key(s), comma-separated [PDSERVE_API_KEY].")
+@click.option("--cache-salt-per-api-key/--no-cache-salt-per-api-key", default=None,
+              help="Give each API key its own prefix-cache namespace [PDSERVE_CACHE_SALT_PER_API_KEY, off].")
+@click.option("--registry-token", default=None, help="Bearer token the registry requires [PDSERVE_REGISTRY_TOKEN].")
 @click.option("--max-body-bytes", type=int, default=None, help="Largest request body (413 above).")
 @click.option("--max-model-len", type=int, default=None, help="Context length [default: the model's].")
 @click.option("--local-prefill-threshold", type=int, default=None,

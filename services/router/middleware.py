@@ -6,6 +6,7 @@ is checked first, then the bytes actually received are counted.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from typing import Any
@@ -36,10 +37,21 @@ async def _send_error(send: Send, status: int, message: str, headers: list[tuple
 
 def key_matches(presented: str, keys: list[str]) -> bool:
     """Constant-time comparison against every accepted key (no early exit on the first match)."""
-    ok = False
+    return matching_key(presented, keys) is not None
+
+
+def matching_key(presented: str, keys: list[str]) -> str | None:
+    """The accepted key equal to ``presented`` (None if none), compared in constant time against every key."""
+    found = None
     for key in keys:
-        ok |= hmac.compare_digest(presented.encode(), key.encode())
-    return ok
+        if hmac.compare_digest(presented.encode(), key.encode()):
+            found = key
+    return found
+
+
+def key_id(key: str) -> str:
+    """A stable, non-reversible name for an API key (SHA-256, 16 hex digits) — what the router keeps of it."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class GuardMiddleware:
@@ -57,11 +69,13 @@ class GuardMiddleware:
         if self.api_keys and scope.get("method") != "OPTIONS" and not path.startswith(_OPEN_PATHS):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not key_matches(token.strip(), self.api_keys):
+            key = matching_key(token.strip(), self.api_keys) if scheme.lower() == "bearer" else None
+            if key is None:
                 await _send_error(send, 401, "Unauthorized: a valid API key is required "
                                              "(header 'Authorization: Bearer <key>')",
                                   [(b"www-authenticate", b"Bearer")])
                 return
+            scope.setdefault("state", {})["api_key_id"] = key_id(key)  # request.state.api_key_id
         length = headers.get(b"content-length")
         limit = self.max_body_bytes
         if length is not None:

@@ -27,6 +27,12 @@ class RouterSettings(BaseSettings):
     registry_url: str = "http://127.0.0.1:8001"
     # Comma-separated list of accepted keys; unset = no authentication.
     api_key: str | None = None
+    # Each API key gets its own prefix-cache namespace: the salt the engines hash with is derived from the key
+    # (and the client's cache_salt, which subdivides it), so tenants holding different keys never share a
+    # cached block, whatever cache_salt they send (needs api_key).
+    cache_salt_per_api_key: bool = False
+    # Bearer token the registry requires (its PDSERVE_REGISTRY_TOKEN); unset = an open registry.
+    registry_token: str | None = None
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
     # Default: the model's max_position_embeddings.
     max_model_len: int | None = Field(None, gt=0)

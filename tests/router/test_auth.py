@@ -59,3 +59,36 @@ def test_key_comparison():
     assert not key_matches("c", ["a", "b"])
     assert not key_matches("", ["a"])
     assert not key_matches("ab", ["a"])
+
+
+def salt_sent(server: RouterServer, worker, key: str, **extra) -> str | None:
+    """The cache_salt of the PrefillRequest the router queued for one chat request with this key."""
+    before = len(worker.received)
+    resp = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **extra}, timeout=30,
+                      headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 200, resp.text
+    return worker.received[before].request.cache_salt
+
+
+def test_each_api_key_gets_its_own_prefix_cache_namespace(redis_url, registry_url, processor, pods, worker):
+    from pdserve.services.router.middleware import key_id
+    from pdserve.services.router.tenancy import tenant_cache_salt
+
+    server = start_router(RouterSettings(redis_url=redis_url, registry_url=registry_url, api_key="key-one,key-two",
+                                         cache_salt_per_api_key=True, registry_cache_s=0.0), processor, pods)
+    try:
+        one, two = salt_sent(server, worker, "key-one"), salt_sent(server, worker, "key-two")
+        assert one == tenant_cache_salt(None, key_id("key-one")) and len(one) == 64
+        assert two != one
+        assert salt_sent(server, worker, "key-one") == one  # a tenant's repeat shares its own cache
+        # the client's salt subdivides a key's namespace but cannot reach into another key's
+        one_x, two_x = salt_sent(server, worker, "key-one", cache_salt="x"), salt_sent(server, worker, "key-two", cache_salt="x")
+        assert len({one, two, one_x, two_x, "x"}) == 5
+        assert salt_sent(server, worker, "key-two", cache_salt=one) not in (one, two, one_x, two_x)
+    finally:
+        server.stop()
+
+
+def test_without_per_key_namespaces_the_clients_salt_passes_unchanged(keyed_router, worker):
+    assert salt_sent(keyed_router, worker, "key-one", cache_salt="tenant-a") == "tenant-a"
+    assert salt_sent(keyed_router, worker, "key-two") is None
