@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import statistics
 import subprocess
 import sys
@@ -95,9 +96,10 @@ async def chat_turns(http: httpx.AsyncClient, user: int, turns: int, system: str
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
-def counters(router_url: str, registry_url: str) -> dict:
+def counters(router_url: str, registry_url: str, registry_token: str) -> dict:
     """Engine and transfer counters of every pod, and the router's placement decisions."""
-    pods = httpx.get(f"{registry_url}/v1/pods", timeout=10).json()["pods"]
+    pods = httpx.get(f"{registry_url}/v1/pods", headers={"Authorization": f"Bearer {registry_token}"},
+                     timeout=10).json()["pods"]
     out: dict = {"pods": {}}
     for p in pods:
         s = httpx.get(f"http://{p['host']}:{p['http_port']}/v1/stats", timeout=30).json()
@@ -135,7 +137,8 @@ class Up:
         self.log = log_dir / "up.out"
         self.cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(self.port), "--log-dir",
                     str(log_dir), *args]
-        self.env = {**os.environ, **env}
+        self.registry_token = secrets.token_hex(16)  # the registry's bearer token for this run
+        self.env = {**os.environ, "PDSERVE_REGISTRY_TOKEN": self.registry_token, **env}
         self.timeout_s = timeout_s
 
     def __enter__(self) -> Up:
@@ -179,10 +182,10 @@ def measure(mode: str, args: list[str], users: int, turns: int, system: str, max
         logs.mkdir(parents=True, exist_ok=True)
         with Up(args, {"PDSERVE_ROUTING_MODE": mode}, logs, timeout_s) as up:
             time.sleep(2.0)  # the warm-up request's block events reach the registry
-            before = counters(up.router_url, up.registry_url)
+            before = counters(up.router_url, up.registry_url, up.registry_token)
             run = asyncio.run(workload(up.router_url, users, turns, system, max_tokens, interval_s))
             time.sleep(1.5)  # last heartbeats carry the final counters
-            delta = diff(counters(up.router_url, up.registry_url), before)
+            delta = diff(counters(up.router_url, up.registry_url, up.registry_token), before)
     pods = delta["pods"]
     decode = [p for p in pods.values() if p["role"] == "decode"]
     q = sum(p["queries"] for p in pods.values())

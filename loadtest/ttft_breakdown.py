@@ -16,6 +16,7 @@ histograms (``/metrics``) and prints the mean of each stage next to the client's
 from __future__ import annotations
 
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -57,7 +58,9 @@ def ttft_breakdown_command(prompt_tokens: int, num_requests: int, dtype: str, mo
     router_url, registry_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{registry_port}"
     cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--registry-port",
            str(registry_port), "--prefill", "1", "--decode", "1", "--dtype", dtype, "--model", model]
-    with running(cmd, f"{router_url}/health", timeout_s=600, serving_model=model):
+    token = secrets.token_hex(16)  # the registry's bearer token for this run
+    with running(cmd, f"{router_url}/health", timeout_s=600, env={"PDSERVE_REGISTRY_TOKEN": token},
+                 serving_model=model):
         client_ttft = []
         with httpx.Client(timeout=300) as http:
             for _ in range(num_requests + 1):  # the first one warms up and is left out
@@ -72,7 +75,8 @@ def ttft_breakdown_command(prompt_tokens: int, num_requests: int, dtype: str, mo
                         if first is None and line.startswith("data: {"):
                             first = time.perf_counter() - start
                 client_ttft.append(first)
-        pods = {role: httpx.get(f"{registry_url}/v1/pods", params={"role": role}, timeout=10).json()["pods"][0]
+        pods = {role: httpx.get(f"{registry_url}/v1/pods", params={"role": role},
+                                headers={"Authorization": f"Bearer {token}"}, timeout=10).json()["pods"][0]
                 for role in ("prefill", "decode")}
         texts = {role: httpx.get(f"http://{p['host']}:{p['http_port']}/metrics", timeout=10).text
                  for role, p in pods.items()}

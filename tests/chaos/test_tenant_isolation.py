@@ -97,8 +97,18 @@ def prompts(tokenizer):
 # ---- observing the ensemble ------------------------------------------------------------------------------------
 
 
+def registry_token(cluster) -> str:
+    """The bearer token ``pdserve up``'s plan gave the registry (and every other child)."""
+    return cluster.child("registry").env["PDSERVE_REGISTRY_TOKEN"]
+
+
+def registry_headers(cluster) -> dict[str, str]:
+    return {"Authorization": f"Bearer {registry_token(cluster)}"}
+
+
 def decode_pod(cluster) -> dict:
-    (pod,) = httpx.get(f"{cluster.registry_url}/v1/pods", params={"role": "decode"}, timeout=5).json()["pods"]
+    (pod,) = httpx.get(f"{cluster.registry_url}/v1/pods", params={"role": "decode"}, headers=registry_headers(cluster),
+                       timeout=5).json()["pods"]
     return pod
 
 
@@ -125,7 +135,7 @@ def overlaps(cluster, ids: list[int], salt: str | None) -> dict[str, int]:
     blocks held."""
     hashes = [h.hex() for h in compute_block_hashes(ids, BLOCK, salt)]
     reply = httpx.post(f"{cluster.registry_url}/v1/kv/lookup", json={"block_hashes": hashes, "role": "decode"},
-                       timeout=5).json()
+                       headers=registry_headers(cluster), timeout=5).json()
     return {o["pod"]["pod_id"]: o["overlap"] for o in reply["pods"]}
 
 
@@ -276,7 +286,7 @@ async def migrate_and_finish(cluster, ids: list[int], salt: str | None,
     migrator queued under the new id (read from Redis while their consumer is stopped), the placements its
     registry lookups chose, and the continued request's final output event."""
     redis = aioredis.Redis.from_url(cluster.redis_url)
-    registry = RegistryClient(cluster.registry_url)
+    registry = RegistryClient(cluster.registry_url, token=registry_token(cluster))
     log = RoutingLog()
     dispatcher = Dispatcher(redis, registry, local_prefill_threshold=100000 if local else 0,
                             routing=RoutingConfig(temperature=0), metrics=log)
@@ -355,7 +365,7 @@ def test_local_prefill_with_no_prefill_tier_alive_hits_only_its_own_tenants_bloc
     for name in cluster.names("prefill"):
         cluster.kill(name)
     gone = chaos.wait_for(lambda: not httpx.get(f"{cluster.registry_url}/v1/pods", params={"role": "prefill"},
-                                                timeout=5).json()["pods"], 30, 0.5)
+                                                headers=registry_headers(cluster), timeout=5).json()["pods"], 30, 0.5)
     assert gone, "the killed prefill worker never left the registry"
     before = len(routing_reasons(cluster, "router"))
     sent = local_prefill_round(cluster, cluster.router_url, prompts(3))

@@ -55,7 +55,8 @@ def wait_overlap(ensemble, ids: list[int], pod_id: str, blocks: int, timeout_s: 
     hashes = [h.hex() for h in compute_block_hashes(ids, BLOCK)]
     deadline = time.monotonic() + timeout_s
     while True:
-        reply = httpx.post(f"{ensemble.registry_url}/v1/kv/lookup", json={"block_hashes": hashes}, timeout=5).json()
+        reply = httpx.post(f"{ensemble.registry_url}/v1/kv/lookup", json={"block_hashes": hashes},
+                           headers=ensemble.registry_headers, timeout=5).json()
         overlap = {o["pod"]["pod_id"]: o["overlap"] for o in reply["pods"]}
         if overlap.get(pod_id, 0) >= blocks:
             return

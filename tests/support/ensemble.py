@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -16,7 +17,10 @@ from support.redis_server import free_port
 
 
 class Ensemble:
-    """Starts ``pdserve up ARGS`` on a free port; ``router_url``, ``registry_url``, ``redis_url`` once ready."""
+    """Starts ``pdserve up ARGS`` on a free port; ``router_url``, ``registry_url``, ``redis_url`` once ready.
+
+    The registry requires a bearer token: ``registry_headers`` carries the one this ensemble chose.
+    """
 
     def __init__(self, *args: str, log_dir: Path, timeout_s: float = 600.0) -> None:
         self.args = list(args)
@@ -25,6 +29,8 @@ class Ensemble:
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.router_url = self.registry_url = self.redis_url = ""
+        self.registry_token = secrets.token_hex(16)
+        self.registry_headers = {"Authorization": f"Bearer {self.registry_token}"}
 
     def __enter__(self) -> Ensemble:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -32,7 +38,7 @@ class Ensemble:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(self.port), "--log-dir",
              str(self.log_dir), *self.args],
-            stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_REGISTRY_TOKEN": self.registry_token},
         )
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
@@ -59,7 +65,8 @@ class Ensemble:
         self._out.close()
 
     def pods(self, role: str) -> list[dict]:
-        return httpx.get(f"{self.registry_url}/v1/pods", params={"role": role}, timeout=5).json()["pods"]
+        return httpx.get(f"{self.registry_url}/v1/pods", params={"role": role}, headers=self.registry_headers,
+                         timeout=5).json()["pods"]
 
     def stats(self, pod: dict) -> dict:
         return httpx.get(f"http://{pod['host']}:{pod['http_port']}/v1/stats", timeout=10).json()
