@@ -1,7 +1,7 @@
 """The registry's bearer token: one value in the chart's Secret reaches the registry and every caller of it.
 
 Oracle: the Secret's data (base64-decoded), and the services' own settings classes (RegistrySettings,
-WorkerSettings) reading the environment variable the chart sets. The planner never calls the registry
+RouterSettings, WorkerSettings) reading the environment variable the chart sets. The planner never calls the registry
 (README, NetworkPolicies), so it must not get the token.
 """
 
@@ -33,7 +33,9 @@ def secret_value(docs, ref: dict) -> str:
 
 
 def test_default_install_generates_one_token_for_the_registry_and_its_callers_only(chart):
-    docs = render_docs(chart, load_values("planner"))  # a planner too: it must not get the token
+    values = load_values("planner")  # a planner too: it must not get the token
+    del values["secrets"]["registryToken"]
+    docs = render_docs(chart, values)
     refs = token_refs(docs)
     assert sorted(refs) == sorted(CALLERS)
     assert all(ref == {"name": f"{FULL}-secrets", "key": "registry-token"} for ref in refs.values())
@@ -43,8 +45,13 @@ def test_default_install_generates_one_token_for_the_registry_and_its_callers_on
     assert secret_value(render_docs(chart, {}), refs["registry"]) != token
 
 
-def test_a_given_token_is_what_registry_and_workers_read(chart, monkeypatch):
+def plain(value) -> str:
+    return value.get_secret_value() if hasattr(value, "get_secret_value") else value
+
+
+def test_a_given_token_is_what_registry_router_and_workers_read(chart, monkeypatch):
     from pdserve.services.registry.settings import RegistrySettings
+    from pdserve.services.router.settings import RouterSettings
     from pdserve.shared.worker.settings import WorkerSettings
 
     docs = render_docs(chart, {"secrets": {"registryToken": "tok-3f9a.b_c~d"}})
@@ -53,8 +60,11 @@ def test_a_given_token_is_what_registry_and_workers_read(chart, monkeypatch):
     assert set(values.values()) == {"tok-3f9a.b_c~d"}
     monkeypatch.setenv("PDSERVE_REGISTRY_TOKEN", values["registry"])
     assert RegistrySettings().auth_token.get_secret_value() == "tok-3f9a.b_c~d"
-    monkeypatch.setenv("PDSERVE_REGISTRY_TOKEN", values["prefill"])
-    assert WorkerSettings().registry_token.get_secret_value() == "tok-3f9a.b_c~d"
+    monkeypatch.setenv("PDSERVE_REGISTRY_TOKEN", values["router"])
+    assert plain(RouterSettings().registry_token) == "tok-3f9a.b_c~d"
+    for tier in ("prefill", "decode"):
+        monkeypatch.setenv("PDSERVE_REGISTRY_TOKEN", values[tier])
+        assert WorkerSettings().registry_token.get_secret_value() == "tok-3f9a.b_c~d"
     # the KV-transfer secret is still its own value
     data = by_kind(docs, "Secret")[f"{FULL}-secrets"]["data"]
     assert base64.b64decode(data["kv-transfer-secret"]).decode() != "tok-3f9a.b_c~d"
