@@ -30,6 +30,7 @@ from redis.exceptions import ResponseError
 from pdserve.shared.engine.block_hash import compute_block_hashes
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import PrefillRequest
+from pdserve.shared.protocol.registry import RegistryAuthError
 
 from .errors import OpenAIError
 from .kv_routing import Candidate, RoundRobin, choose, pod_load, uncached_tokens
@@ -144,6 +145,10 @@ class Dispatcher:
         for attempt, pause in enumerate((0.2, 0.5, None)):
             try:
                 return await _uncancelled(call(*args))
+            except RegistryAuthError as exc:  # configuration, not an outage: say so, do not retry
+                logger.error("the registry refused this router: %s", exc)
+                raise self.unavailable("The pod registry refused this router's token (PDSERVE_REGISTRY_TOKEN); "
+                                       "see the router's log") from exc
             except Exception as exc:
                 logger.warning("registry call failed (attempt %d: %s: %s)", attempt + 1, type(exc).__name__, exc)
                 if pause is None:

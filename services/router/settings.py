@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -32,7 +32,7 @@ class RouterSettings(BaseSettings):
     # cached block, whatever cache_salt they send (needs api_key).
     cache_salt_per_api_key: bool = False
     # Bearer token the registry requires (its PDSERVE_REGISTRY_TOKEN); unset = an open registry.
-    registry_token: str | None = None
+    registry_token: SecretStr | None = None
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
     # Default: the model's max_position_embeddings.
     max_model_len: int | None = Field(None, gt=0)

@@ -23,7 +23,7 @@ from pdserve.shared.engine.engine_thread import EngineThread
 from pdserve.shared.engine.llm_engine import LLMEngine
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.kv_events import KVEventPublisher
-from pdserve.shared.protocol.registry import Heartbeater, PodInfo, RegistryClient
+from pdserve.shared.protocol.registry import Heartbeater, PodInfo, RegistryAuthError, RegistryClient
 from pdserve.shared.transport.layout import KVLayout
 from pdserve.shared.protocol.messages import OutputEvent, OutputWriter
 from pdserve.shared.worker.events import publish, to_event
@@ -73,6 +73,8 @@ class Worker:
         self.heartbeater = Heartbeater(self.registry, self.pod_info, self.settings.heartbeat_interval_s)
         try:
             await self.heartbeater.beat()  # routable before it reports healthy
+        except RegistryAuthError:
+            raise  # a wrong or missing registry token: exit now (crash-loop in Kubernetes), never serve unlisted
         except Exception as exc:  # the heartbeater keeps trying with backoff
             logger.warning("first registry heartbeat failed: %s", exc)
         self.heartbeater.start()
@@ -243,6 +245,9 @@ class Worker:
         async def health():
             if not self.ready:
                 return JSONResponse({"status": "starting"}, status_code=503)
+            if self.heartbeater is not None and self.heartbeater.refused is not None:
+                return JSONResponse({"status": "registry refused this pod", "error": str(self.heartbeater.refused)},
+                                    status_code=503)
             if not self.engine_thread.alive:
                 return JSONResponse({"status": "engine stopped", "error": repr(self.engine_thread.error)}, status_code=503)
             try:

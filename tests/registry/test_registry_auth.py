@@ -287,3 +287,21 @@ def test_the_worker_flag_and_variable_reach_the_worker_settings(monkeypatch, rol
         monkeypatch.setenv("PDSERVE_REGISTRY_TOKEN", "tok-env")
     assert [s.registry_token.get_secret_value() for s in built] == ["tok-flag", "tok-env"]
     assert "tok-env" not in repr(built[1])  # settings print masked
+
+
+def test_a_worker_process_with_a_wrong_token_exits_at_startup_instead_of_serving_unlisted(secured, redis_url,
+                                                                                         tmp_path):
+    """A configuration error must be loud: the worker process exits non-zero (Kubernetes crash-loops it) with
+    the registry's refusal in its log, rather than staying up, healthy and never routed to."""
+    log = tmp_path / "decode.log"
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_REGISTRY_TOKEN"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.services.cli", "decode", "--host", "127.0.0.1", "--port", str(free_port()),
+         "--kv-port", "0", "--redis-url", redis_url, "--registry-url", secured.url, "--registry-token", "tok-9f3e1d5c",
+         "--pod-id", "decode-wrong-token"],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**env, "PDSERVE_LOG_LEVEL": "info"}, timeout=110)
+    text = log.read_text(errors="replace")
+    assert proc.returncode != 0, text
+    assert "RegistryAuthError" in text and "not the registry's" in text, text[-2000:]
+    assert "tok-9f3e1d5c" not in text  # the token is never logged
+    assert registered(secured.url) == []

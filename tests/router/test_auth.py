@@ -92,3 +92,23 @@ def test_each_api_key_gets_its_own_prefix_cache_namespace(redis_url, registry_ur
 def test_without_per_key_namespaces_the_clients_salt_passes_unchanged(keyed_router, worker):
     assert salt_sent(keyed_router, worker, "key-one", cache_salt="tenant-a") == "tenant-a"
     assert salt_sent(keyed_router, worker, "key-two") is None
+
+
+def test_a_registry_refusing_the_routers_token_gets_a_503_that_says_so(redis_url, processor, pods):
+    """Not "unreachable": an operator must see that the token is wrong (no retry can fix it)."""
+    from router_harness import ThreadServer
+
+    from pdserve.services.registry.app import create_app as create_registry_app
+    from pdserve.services.registry.settings import RegistrySettings
+
+    registry = ThreadServer.start(create_registry_app(RegistrySettings(redis_url=redis_url, auth_token="reg-right")))
+    server = start_router(RouterSettings(redis_url=redis_url, registry_url=registry.url, registry_token="reg-wrong",
+                                         registry_cache_s=0.0), processor, pods)
+    try:
+        resp = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["message"] == ("The pod registry refused this router's token "
+                                                   "(PDSERVE_REGISTRY_TOKEN); see the router's log")
+    finally:
+        server.stop()
+        registry.stop()
