@@ -118,9 +118,11 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
     settings = settings or RegistrySettings()
     # a pooled connection that died with a Redis restart is retried at once on a fresh one; a real outage
     # still answers 503 quickly (callers have a 2 s timeout and their own backoff)
-    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2,
-                                    retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 2),
-                                    retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=2, socket_timeout=2,
+        socket_connect_timeout=2, retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 2),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    redis = aioredis.Redis.from_pool(pool)
     store = PodStore(redis, settings.pod_ttl_s)
     index = BlockIndex(redis, settings.pod_ttl_s)
     metrics = _Metrics()

@@ -22,6 +22,9 @@ class RegistrySettings(BaseSettings):
     # Bearer token every caller must send (all paths but /health and /metrics). None: no authentication,
     # for local development only (a warning is logged at startup). Shared with router, prefill and decode.
     auth_token: SecretStr | None = Field(None, validation_alias=AliasChoices("PDSERVE_REGISTRY_TOKEN", "auth_token"))
+    # Redis connections this registry opens at most; past it, a command waits up to 2 s for a free one
+    # (redis-py's default pool of 100 fails at once: "Too many connections" under an abort storm).
+    redis_max_connections: int = Field(256, gt=0)
     log_level: str = "info"
 
     @field_validator("auth_token")
