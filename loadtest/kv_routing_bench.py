@@ -20,7 +20,6 @@ import json
 import os
 import re
 import secrets
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -9,7 +9,6 @@ gone, 200 after), exact 429 bodies with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest

@@ -195,7 +195,6 @@ def test_without_a_token_the_registry_is_open_and_says_so(redis_url, tmp_path):
 
 
 def test_an_empty_token_is_refused_at_startup_not_taken_for_none(redis_url, tmp_path):
-    log = tmp_path / "empty.log"
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.services.cli", "registry", "--port", str(free_port()), "--redis-url",
          redis_url], env={**os.environ, "PDSERVE_REGISTRY_TOKEN": ""}, capture_output=True, text=True, timeout=60)
