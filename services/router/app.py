@@ -345,7 +345,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                   processor.token_str, [len(ids) for ids in p.prompts], p.n, want_logprobs,
                                   include_usage=include_usage,
                                   continuous_usage=bool(req.stream_options
-                                                        and req.stream_options.continuous_usage_stats))
+                                                        and req.stream_options.continuous_usage_stats),
+                                  prompt_tokens_details=settings.enable_prompt_tokens_details)
         job = Job(response_id, request_ids, pods, arrival, builder, queued_tokens=new_tokens, queued=True)
         st.active += 1
         st.queued += 1

@@ -21,6 +21,8 @@ from .settings import RouterSettings
 @click.option("--api-key", default=None, help="Accepted API key(s), comma-separated [PDSERVE_API_KEY].")
 @click.option("--cache-salt-per-api-key/--no-cache-salt-per-api-key", default=None,
               help="Give each API key its own prefix-cache namespace [PDSERVE_CACHE_SALT_PER_API_KEY, off].")
+@click.option("--enable-prompt-tokens-details/--no-enable-prompt-tokens-details", default=None,
+              help="Report usage.prompt_tokens_details.cached_tokens [PDSERVE_ENABLE_PROMPT_TOKENS_DETAILS, off].")
 @click.option("--registry-token", default=None, help="Bearer token the registry requires [PDSERVE_REGISTRY_TOKEN].")
 @click.option("--max-body-bytes", type=int, default=None, help="Largest request body (413 above).")
 @click.option("--max-model-len", type=int, default=None, help="Context length [default: the model's].")

@@ -48,9 +48,14 @@ def completion_logprobs(token_str: TokenStr, lps: list[TokenLogprob], text_offse
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``cached_tokens`` (prompt tokens served from the prefix cache) adds
+    ``prompt_tokens_details`` as OpenAI and vLLM (``--enable-prompt-tokens-details``) report it."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 @dataclass(slots=True)
@@ -66,8 +71,11 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_len: int = 0
     finished: bool = False
+    cached_tokens: int | None = None  # the prompt's prefix-cache hit where it was prefilled (first event)
 
     def add(self, event: OutputEvent) -> None:
+        if self.cached_tokens is None:
+            self.cached_tokens = event.num_cached_tokens
         self.text.append(event.text)
         self.text_len += len(event.text)
         self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
@@ -84,7 +92,8 @@ class ResponseBuilder:
 
     def __init__(self, kind: str, response_id: str, model: str, created: int, token_str: TokenStr,
                  prompt_lens: list[int], n: int, want_logprobs: bool,
-                 include_usage: bool = False, continuous_usage: bool = False) -> None:
+                 include_usage: bool = False, continuous_usage: bool = False,
+                 prompt_tokens_details: bool = False) -> None:
         self.kind = kind
         self.id = response_id
         self.model = model
@@ -93,6 +102,7 @@ class ResponseBuilder:
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage and include_usage
+        self.prompt_tokens_details = prompt_tokens_details
         self.n = n
         self.prompt_lens = prompt_lens
         self.choices = [ChoiceState(index=i, prompt_tokens=prompt_lens[i // n])
@@ -102,8 +112,11 @@ class ResponseBuilder:
     def object_chunk(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
-    def usage(self) -> dict[str, int]:
-        return usage(sum(self.prompt_lens), sum(c.completion_tokens for c in self.choices))
+    def usage(self) -> dict[str, Any]:
+        cached = None
+        if self.prompt_tokens_details:  # each prompt once, as prompt_tokens: its first choice's hit
+            cached = sum(self.choices[p * self.n].cached_tokens or 0 for p in range(len(self.prompt_lens)))
+        return usage(sum(self.prompt_lens), sum(c.completion_tokens for c in self.choices), cached)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk: dict[str, Any] = {"id": self.id, "object": self.object_chunk, "created": self.created,

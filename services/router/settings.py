@@ -31,6 +31,8 @@ class RouterSettings(BaseSettings):
     # (and the client's cache_salt, which subdivides it), so tenants holding different keys never share a
     # cached block, whatever cache_salt they send (needs api_key).
     cache_salt_per_api_key: bool = False
+    # usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache (vLLM's flag).
+    enable_prompt_tokens_details: bool = False
     # Bearer token the registry requires (its PDSERVE_REGISTRY_TOKEN); unset = an open registry.
     registry_token: SecretStr | None = None
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)

@@ -23,8 +23,8 @@ LENGTHS = [1, 15, 16, 17, 33, 120]
 
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory):
-    with Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32",
-                  log_dir=tmp_path_factory.mktemp("up")) as ens:
+    with Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32", log_dir=tmp_path_factory.mktemp("up"),
+                  env={"PDSERVE_ENABLE_PROMPT_TOKENS_DETAILS": "true"}) as ens:
         yield ens
 
 
@@ -200,3 +200,16 @@ def test_decode_pod_reads_its_request_stream_again_after_it_expired(ensemble, of
     assert tokens == want
     r.delete(keys.output_stream(request.request_id))
     r.close()
+
+
+def test_usage_reports_the_prompts_prefix_cache_hit(client, prompt_of):
+    """``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``): a new 40-token prompt
+    hits nothing; its repeat hits its 2 full blocks (32 tokens) on the prefill pod; streamed usage says the same."""
+    prompt = prompt_of(40, offset=50)
+    first = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32 and again.usage.prompt_tokens == 40
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32

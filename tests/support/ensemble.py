@@ -22,8 +22,10 @@ class Ensemble:
     The registry requires a bearer token: ``registry_headers`` carries the one this ensemble chose.
     """
 
-    def __init__(self, *args: str, log_dir: Path, timeout_s: float = 600.0) -> None:
+    def __init__(self, *args: str, log_dir: Path, timeout_s: float = 600.0, env: dict[str, str] | None = None) -> None:
+        """``env``: extra ``PDSERVE_*`` variables for every process (``pdserve up`` passes its environment on)."""
         self.args = list(args)
+        self.env = dict(env or {})
         self.log_dir = Path(log_dir)
         self.timeout_s = timeout_s
         self.port = free_port()
@@ -38,7 +40,8 @@ class Ensemble:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(self.port), "--log-dir",
              str(self.log_dir), *self.args],
-            stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_REGISTRY_TOKEN": self.registry_token},
+            stdout=self._out, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_REGISTRY_TOKEN": self.registry_token, **self.env},
         )
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
