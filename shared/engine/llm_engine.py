@@ -417,7 +417,10 @@ class LLMEngine:
         return len(self.kv_manager.req_to_blocks[request_id]), len(computed)
 
     def write_kv(self, request_id: str, first_block: int, data: torch.Tensor) -> None:
-        """Copy received blocks ``[n, layers, 2, block_size, kv_heads, head_dim]`` into the reservation."""
+        """Copy received blocks ``[n, layers, 2, block_size, kv_heads, head_dim]`` into the reservation.
+        Raises ``KeyError`` when there is none (the request was aborted meanwhile), ``ValueError`` outside it."""
+        if request_id not in self.reserved:
+            raise KeyError(f"request {request_id!r} holds no reservation here (aborted, or its lease ended)")
         ids = self.kv_manager.get_block_ids(request_id)
         if first_block < 0 or first_block + data.shape[0] > len(ids):
             raise ValueError(f"blocks {first_block}..{first_block + data.shape[0]} outside the reservation of {len(ids)}")
