@@ -141,6 +141,7 @@ class UpOptions:
     log_dir: Path | None = None
     log_level: str = "info"
     follow_logs: bool = False
+    restart_workers: bool = True
     engine: dict[str, str] = field(default_factory=dict)  # PDSERVE_* engine settings to forward
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 10.0
@@ -225,11 +226,16 @@ class Ensemble:
     ``follow_logs``: also copy every child's new log lines to stdout, prefixed with its name.
     """
 
-    def __init__(self, children: list[Child], echo=click.echo, follow_logs: bool = False) -> None:
+    def __init__(self, children: list[Child], echo=click.echo, follow_logs: bool = False,
+                 restart_workers: bool = True) -> None:
         self.children = children
         self.echo = echo
         self.follow_logs = follow_logs
+        self.restart_workers = restart_workers
         self._offsets: dict[str, int] = {}
+        self._restarts: dict[str, int] = {}  # worker -> restarts in a row (reset after RESTART_RESET_S up)
+        self._restart_at: dict[str, float] = {}  # worker -> when to start it again (monotonic)
+        self._started: dict[str, float] = {}
 
     def pump_logs(self) -> None:
         if not self.follow_logs:
@@ -277,16 +283,39 @@ class Ensemble:
                 time.sleep(0.2)
 
     def watch(self) -> None:
-        """Returns when a child exits (after printing why); signals interrupt it via ``_Stop``."""
+        """Runs until Redis, the registry or the router exits (then raises ``SystemExit(1)`` after printing
+        why); signals interrupt it via ``_Stop``. A prefill or decode worker that exits is started again, as
+        Kubernetes restarts a container (same pod id and ports; back-off 1, 2, 4 .. 30 s, reset after
+        ``RESTART_RESET_S`` up): the router migrates what it held meanwhile."""
         while True:
             for child in self.children:
                 rc = child.exited()
-                if rc is not None:
-                    self.echo(f"pdserve up: {child.name} exited with status {rc}; stopping everything. "
-                              f"Last lines of {child.log_path}:\n{child.tail()}", err=True)
-                    raise SystemExit(1)
+                if rc is None:
+                    continue
+                if self.restart_workers and child.name.startswith(("prefill-", "decode-")):
+                    self._restart_later(child, rc)
+                    continue
+                self.echo(f"pdserve up: {child.name} exited with status {rc}; stopping everything. "
+                          f"Last lines of {child.log_path}:\n{child.tail()}", err=True)
+                raise SystemExit(1)
             self.pump_logs()
             time.sleep(0.5)
+
+    def _restart_later(self, child: Child, rc: int) -> None:
+        now = time.monotonic()
+        due = self._restart_at.get(child.name)
+        if due is None:
+            if now - self._started.get(child.name, 0.0) > RESTART_RESET_S:
+                self._restarts[child.name] = 0
+            count = self._restarts[child.name] = self._restarts.get(child.name, 0) + 1
+            delay = min(30.0, 2.0 ** (count - 1))
+            self._restart_at[child.name] = now + delay
+            self.echo(f"pdserve up: {child.name} exited with status {rc}; restarting it in {delay:.0f} s "
+                      f"(restart {count} in a row). Last lines of {child.log_path}:\n{child.tail()}", err=True)
+        elif now >= due:
+            del self._restart_at[child.name]
+            self._started[child.name] = now
+            child.start()
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM every process group (Redis last, the others may still need it), wait up to
@@ -311,6 +340,9 @@ class Ensemble:
                     child.proc.wait()
 
 
+RESTART_RESET_S = 60.0  # a worker up this long has its restart back-off reset
+
+
 def run(opts: UpOptions) -> int:
     """Runs the ensemble until a signal or a child's death; returns the exit status."""
     if opts.router and not port_is_free(opts.host, opts.port):
@@ -325,7 +357,7 @@ def run(opts: UpOptions) -> int:
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-")) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     children = plan(opts, log_dir)
-    ensemble = Ensemble(children, follow_logs=opts.follow_logs)
+    ensemble = Ensemble(children, follow_logs=opts.follow_logs, restart_workers=opts.restart_workers)
     state = {"stopping": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -351,6 +383,9 @@ def run(opts: UpOptions) -> int:
                       "bearer token generated for this run; set PDSERVE_REGISTRY_TOKEN to choose it")
         click.echo(f"  registry   {registry.health_url.removesuffix('/health')}  ({token_note})")
         click.echo(f"  redis      {redis_url}")
+        for child in children:
+            if child.name.startswith(("prefill-", "decode-")) and child.health_url:
+                click.echo(f"  {child.name:<10} {child.health_url.removesuffix('/health')}  (/health, /metrics, /v1/stats)")
         click.echo(f"  logs       {log_dir}")
         click.echo("Press Ctrl-C to stop.")
         ensemble.watch()
@@ -405,6 +440,8 @@ def run(opts: UpOptions) -> int:
               help="How long to wait for every /health.")
 @click.option("--stop-timeout-s", type=float, default=10.0, show_default=True,
               help="Grace period between SIGTERM and SIGKILL.")
+@click.option("--restart-workers/--no-restart-workers", default=True, show_default=True,
+              help="Start a prefill or decode worker that exits again (back-off 1..30 s); off: its exit stops all.")
 def command(**flags) -> None:
     """Start Redis, registry, router, prefill and decode workers locally; Ctrl-C stops them all."""
     engine = {}

@@ -367,7 +367,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                 await st.dispatcher.enqueue(placement, choices)
                 pods.extend([pod.pod_id] * p.n)
                 job.routes.extend(ChoiceRoute(c.request_id, pod.pod_id, c.prompt_token_ids, c.sampling_params,
-                                              c.cache_salt, c.priority, pod_health_url=health_url(pod))
+                                              c.cache_salt, c.priority, pod_health_url=health_url(pod),
+                                              pod_started_at=getattr(pod, "started_at", None))
                                   for c in choices)
                 st.metrics.pd_decisions.labels(settings.served_name,
                                                "local" if placement.local_prefill else "remote").inc(p.n)

@@ -32,6 +32,11 @@ def health_url(pod: Any) -> str:
 logger = logging.getLogger(__name__)
 
 
+def _restarted(route: ChoiceRoute, started_at: float | None) -> bool:
+    """The pod now answering under the route's pod id is a later incarnation than the one given the request."""
+    return bool(route.pod_started_at and started_at and float(started_at) != route.pod_started_at)
+
+
 class Migrator:
     """``migrate(index, route, reason)`` for one job's ``OutputRelay``.
 
@@ -51,21 +56,28 @@ class Migrator:
         self.on_migrated = on_migrated
 
     async def pod_alive(self, route: ChoiceRoute) -> bool:
-        """Listed by the registry, or (heartbeats lost in a Redis outage) still answering its /health at all."""
+        """The same incarnation of the pod is listed by the registry, or (heartbeats lost in a Redis outage)
+        still answers its /health. A pod restarted under the same id (a container restart keeps the pod name)
+        lost the request: its new ``started_at`` tells it apart."""
         try:
             pods = await self.dispatcher.pods("decode")
         except OpenAIError:
             return True  # registry unreachable: no evidence the pod died; keep waiting
-        if any(p.pod_id == route.pod_id for p in pods):
-            return True
+        listed = next((p for p in pods if p.pod_id == route.pod_id), None)
+        if listed is not None:
+            return not _restarted(route, getattr(listed, "started_at", None))
         if not route.pod_health_url:
             return False
         try:
             async with httpx.AsyncClient(timeout=5.0) as client:  # its /health waits up to 2 s on Redis
-                await client.get(route.pod_health_url)
-            return True  # any answer, 503 included: the process lives
+                resp = await client.get(route.pod_health_url)
         except httpx.HTTPError:
             return False
+        try:
+            started_at = resp.json().get("started_at")
+        except (ValueError, AttributeError):
+            started_at = None
+        return not _restarted(route, started_at)  # any answer, 503 included: the process lives
 
     async def __call__(self, index: int, route: ChoiceRoute, reason: str) -> bool:
         if reason.startswith("worker error"):
@@ -102,6 +114,7 @@ class Migrator:
                        route.pod_id, reason, placement.pod.pod_id, sent)
         route.request_id, route.pod_id = new_id, placement.pod.pod_id
         route.pod_health_url = health_url(placement.pod)
+        route.pod_started_at = getattr(placement.pod, "started_at", None)
         if self.on_migrated is not None:
             self.on_migrated(reason)
         return True

@@ -53,6 +53,7 @@ class ChoiceRoute:
     text_len: int = 0
     migrations: int = 0
     pod_health_url: str = ""  # the decode pod's /health, probed before declaring it dead
+    pod_started_at: float | None = None  # the decode pod's incarnation (PodInfo.started_at) when it got the request
     last_event: float = field(default_factory=time.monotonic)
     last_check: float = field(default_factory=time.monotonic)
     done: bool = False

@@ -54,6 +54,9 @@ class Worker:
         self.tasks: list[asyncio.Task] = []
         self.ready = False
         self.requests: dict[str, dict] = {}  # request id -> bookkeeping (arrival, last event time, logprobs)
+        # This process's incarnation: a pod restarted under the same id (a container restart in Kubernetes keeps
+        # the pod name) lost its requests, and the router tells it from the old one by this
+        self.started_at = time.time()
         self._outputs: asyncio.Queue = asyncio.Queue()
 
     # lifecycle
@@ -225,7 +228,7 @@ class Worker:
             block_size=s.get("block_size", self.settings.block_size), total_blocks=s.get("kv_blocks_total", 0),
             free_blocks=s.get("kv_blocks_total", 0) - s.get("kv_blocks_used", 0), num_running=s.get("num_running", 0),
             num_waiting=s.get("num_waiting", 0), queued_prefill_tokens=self.queued_prefill_tokens(),
-            colocated=self.colocated,
+            colocated=self.colocated, started_at=self.started_at,
         )
 
     http_port = 0
@@ -254,7 +257,7 @@ class Worker:
                 await asyncio.wait_for(self.redis.ping(), 2.0)
             except Exception as exc:
                 return JSONResponse({"status": "redis unreachable", "error": str(exc)}, status_code=503)
-            return {"status": "ok"}
+            return {"status": "ok", "pod_id": self.settings.pod_id, "started_at": self.started_at}
 
         @app.get("/metrics")
         async def metrics():

@@ -1,0 +1,81 @@
+"""``pdserve up`` restarts a worker that dies, as Kubernetes restarts a container: same pod id, a new
+incarnation (``started_at``). A request generating on the killed decode pod moves to the other one and its
+client's text equals the uninterrupted run's; the killed pod comes back under its id; the ensemble stays up.
+Real processes throughout (the fault is SIGKILL of the worker process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from support.ensemble import Ensemble
+
+MODEL = "smollm2-135m-instruct"
+pytestmark = pytest.mark.timeout(600)
+
+
+def worker_pid(ensemble: Ensemble, pod_id: str) -> int:
+    """The process of ``pdserve up``'s child whose PDSERVE_POD_ID is ``pod_id``."""
+    for proc in psutil.Process(ensemble.proc.pid).children(recursive=True):
+        try:
+            if proc.environ().get("PDSERVE_POD_ID") == pod_id and "decode" in " ".join(proc.cmdline()):
+                return proc.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise AssertionError(f"no process for {pod_id}")
+
+
+def stream(ensemble: Ensemble, body: dict, on_text=None) -> tuple[str, str | None]:
+    text, finish = "", None
+    with httpx.Client(timeout=300) as http:
+        with http.stream("POST", f"{ensemble.router_url}/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[len("data: "):])
+                assert "error" not in data, data
+                for choice in data["choices"]:
+                    text += choice.get("text") or ""
+                    finish = choice.get("finish_reason") or finish
+                if on_text is not None and text:
+                    on_text(text)
+    return text, finish
+
+
+def test_a_killed_decode_worker_is_restarted_and_its_request_moves(tmp_path):
+    with Ensemble("--prefill", "1", "--decode", "2", "--dtype", "float32", log_dir=tmp_path,
+                  env={"PDSERVE_POD_TTL_S": "4", "PDSERVE_MIGRATION_STALL_S": "1"}) as ens:
+        body = {"model": MODEL, "prompt": "Write a long story about a lighthouse keeper and the sea.",
+                "max_tokens": 48, "temperature": 0.8, "seed": 5, "ignore_eos": True}
+        want, _ = stream(ens, body)
+        victim: dict = {}
+
+        def kill_once(text: str) -> None:
+            if victim or len(text) < 20:
+                return
+            busy = [p for p in ens.pods("decode") if ens.stats(p)["num_running"] > 0]
+            assert len(busy) == 1
+            victim.update(busy[0])
+            os.kill(worker_pid(ens, victim["pod_id"]), signal.SIGKILL)
+
+        got, finish = stream(ens, body, kill_once)
+        assert victim and got == want and finish == "length"
+        up_out = (tmp_path / "up.out").read_text()
+        assert f"pdserve up: {victim['pod_id']} exited with status -9; restarting it in 1 s" in up_out
+        deadline = time.monotonic() + 120
+        back = None
+        while time.monotonic() < deadline and back is None:
+            back = next((p for p in ens.pods("decode") if p["pod_id"] == victim["pod_id"]
+                         and p["started_at"] != victim["started_at"]), None)
+            time.sleep(0.5)
+        assert back is not None, up_out
+        assert ens.proc.poll() is None  # the ensemble is still up
+        again, _ = stream(ens, body)
+        assert again == want

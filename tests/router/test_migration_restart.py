@@ -1,0 +1,64 @@
+"""A decode pod restarted under the same id (a container restart keeps the pod name in Kubernetes) lost the
+requests it held: the router must tell the new incarnation from the old one by ``started_at`` — in the
+registry's listing and on the pod's ``/health`` — and migrate, instead of waiting for output that never comes.
+Real registry and Redis (tests/router/conftest.py); the pod's /health is a real HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from fastapi import FastAPI
+from redis.asyncio import Redis
+from router_harness import ThreadServer
+
+from pdserve.services.router.dispatch import Dispatcher
+from pdserve.services.router.migration import Migrator
+from pdserve.services.router.relay import ChoiceRoute
+from pdserve.shared.protocol.registry import RegistryClient
+
+
+def health_server(started_at: float) -> ThreadServer:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "pod_id": "decode-0", "started_at": started_at}
+
+    return ThreadServer.start(app)
+
+
+def check(redis_url: str, registry_url: str, route: ChoiceRoute) -> bool:
+    async def scenario() -> bool:
+        redis = Redis.from_url(redis_url)
+        registry = RegistryClient(registry_url)
+        try:
+            job = types.SimpleNamespace(request_ids=[route.request_id], pods=[route.pod_id])
+            migrator = Migrator(redis, Dispatcher(redis, registry, cache_s=0.0), job, "smollm2-135m-instruct", 3, 1.0)
+            return await migrator.pod_alive(route)
+        finally:
+            await registry.aclose()
+            await redis.aclose()
+    return asyncio.run(scenario())
+
+
+def route(**kw) -> ChoiceRoute:
+    return ChoiceRoute("cmpl-1", "decode-0", [1, 2, 3], {"max_tokens": 8}, pod_started_at=100.0, **kw)
+
+
+def test_a_listed_pod_is_alive_only_in_the_incarnation_that_got_the_request(redis_url, registry_url, pods,
+                                                                             redis_client):
+    pods.add("decode-0", started_at=100.0)
+    assert check(redis_url, registry_url, route()) is True
+    pods.add("decode-0", started_at=250.0)  # the same pod id, restarted
+    assert check(redis_url, registry_url, route()) is False
+
+
+def test_an_unlisted_pod_answering_health_is_alive_only_in_the_same_incarnation(redis_url, registry_url,
+                                                                                redis_client):
+    for started_at, alive in ((100.0, True), (250.0, False)):
+        server = health_server(started_at)
+        try:
+            assert check(redis_url, registry_url, route(pod_health_url=server.url + "/health")) is alive
+        finally:
+            server.stop()
