@@ -216,8 +216,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         st = state(request)
         return {"object": "list", "data": [{
             "id": settings.served_name, "object": "model", "created": st.created, "owned_by": "pdserve",
-            "root": settings.model, "parent": None, "max_model_len": processor.max_model_len,
-            "permission": []}]}
+            "root": settings.model, "parent": None,
+            "max_model_len": await st.dispatcher.context_limit(processor.max_model_len), "permission": []}]}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -304,9 +304,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                 lambda: processor.prompt_token_ids(req.prompt, req.add_special_tokens))
             prompt_param = "prompt"
         max_tokens, max_param = requested_max_tokens(req)
+        limit = await app.state.router.dispatcher.context_limit(processor.max_model_len)
         sampling = []
         for ids in prompts:
-            effective = check_context(len(ids), max_tokens, processor.max_model_len, prompt_param, max_param)
+            effective = check_context(len(ids), max_tokens, limit, prompt_param, max_param)
             sampling.append(build_sampling_params(req, effective, defaults))
         return RequestPlan(prompts=prompts, sampling=sampling, n=req.n)
 

@@ -134,6 +134,17 @@ class Dispatcher:
             task.add_done_callback(lambda t: (self._asking.pop(role, None), _retrieve(t)))
         return await asyncio.shield(task)
 
+    async def context_limit(self, default: int) -> int:
+        """The context length requests must fit: ``default`` (the router's ``max_model_len``), or less when a decode
+        pod's engine reports less (its KV cache is smaller than the model's context). The registry unreachable:
+        ``default`` (placing the request then answers the 503)."""
+        try:
+            pods = await self.pods("decode")
+        except OpenAIError:
+            return default
+        return min([default] + [int(getattr(p, "max_model_len", 0) or 0) for p in pods
+                                if int(getattr(p, "max_model_len", 0) or 0) > 0])
+
     async def _list_pods(self, role: str) -> list[Any]:
         pods = list(await self._ask_registry(self.directory.list_pods, role))
         self._cache[role] = (time.monotonic(), pods)

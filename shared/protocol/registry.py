@@ -61,6 +61,8 @@ class PodInfo(BaseModel):
     num_waiting: int = Field(0, ge=0)
     queued_prefill_tokens: int = Field(0, ge=0)
     colocated: bool = False
+    # the engine's context length (it may be below the model's when the KV cache is small); 0 = not reported
+    max_model_len: int = Field(0, ge=0)
     started_at: float = Field(default_factory=time.time)
     last_heartbeat: float | None = None
 

@@ -228,7 +228,7 @@ class Worker:
             block_size=s.get("block_size", self.settings.block_size), total_blocks=s.get("kv_blocks_total", 0),
             free_blocks=s.get("kv_blocks_total", 0) - s.get("kv_blocks_used", 0), num_running=s.get("num_running", 0),
             num_waiting=s.get("num_waiting", 0), queued_prefill_tokens=self.queued_prefill_tokens(),
-            colocated=self.colocated, started_at=self.started_at,
+            colocated=self.colocated, started_at=self.started_at, max_model_len=s.get("max_model_len", 0),
         )
 
     http_port = 0
