@@ -17,6 +17,11 @@ from typing import Any
 # vLLM's _SAMPLING_EPS: a temperature below this is greedy decoding.
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Stop strings are matched against the new text after every token (detokenizer.py), so a request costs
+# O(#stops x stop length) per token: 20,000 stops of 60 characters took one request 118 s. OpenAI allows 4;
+# these bounds leave room for real use (vLLM sets none).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -56,6 +61,7 @@ class SamplingParams:
     ``max_tokens=None`` means "up to the model's context length" (the engine resolves it).
     ``logprobs=k`` returns the sampled token's logprob plus the ``k`` most likely alternatives
     (``0``: only the sampled token). ``stop`` and ``stop_token_ids`` are normalised to lists.
+    ``stop`` holds at most ``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_STRING_CHARS`` characters.
     """
 
     n: int = 1
@@ -97,11 +103,17 @@ class SamplingParams:
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
             raise _fail("stop", "a string or a list of strings", stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError("stop", f"stop must be at most {MAX_STOP_STRINGS} strings, "
+                                              f"got {len(stop)}")
         for s in stop:
             if not isinstance(s, str):
                 raise _fail("stop", "a string or a list of strings", stop)
             if not s:
                 raise _fail("stop", "a list of non-empty strings", stop)
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise SamplingParamsError("stop", f"stop must be strings of at most {MAX_STOP_STRING_CHARS} "
+                                                  f"characters, got one of {len(s)}")
         return list(stop)
 
     @staticmethod

@@ -205,3 +205,20 @@ def test_for_child_gives_n_1_and_distinct_seeds():
     assert SamplingParams(n=2).for_child(1).seed is None
     assert SamplingParams(n=2, seed=2**64 - 1).for_child(1).seed == 0  # wraps into the valid range
     assert p.n == 3 and p.seed == 10
+
+
+def test_stop_strings_are_limited_in_number_and_length():
+    from pdserve.shared.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+    assert (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (32, 256)
+    at_limit = [f"{i:03d}" + "z" * 253 for i in range(32)]
+    assert SamplingParams(stop=at_limit).stop == at_limit
+    with pytest.raises(SamplingParamsError, match=r"^stop must be at most 32 strings, got 33$") as info:
+        SamplingParams(stop=at_limit + ["x"])
+    assert info.value.param == "stop"
+    with pytest.raises(SamplingParamsError,
+                       match=r"^stop must be strings of at most 256 characters, got one of 257$") as info:
+        SamplingParams.from_dict({"stop": ["ok", "y" * 257]})
+    assert info.value.param == "stop"
+    with pytest.raises(SamplingParamsError, match=r"^stop must be at most 32 strings, got 20000$"):
+        SamplingParams(stop=["s" * 60] * 20_000)
