@@ -294,6 +294,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
     async def plan(req: ChatCompletionRequest | CompletionRequest) -> RequestPlan:
         check_model(req.model)
         check_cross_field(req)
+        processor.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         if isinstance(req, ChatCompletionRequest):
             ids = await anyio.to_thread.run_sync(lambda: processor.chat_token_ids(
                 req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,

@@ -90,6 +90,8 @@ def describe_validation_error(err: dict[str, Any]) -> tuple[str, str | None]:
     if err.get("type") == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return f"Malformed JSON body: {detail}".rstrip(": "), None
+    if err.get("type") == "invalid_unicode":  # schemas._Body: raised on the whole body, names the field itself
+        return err.get("msg", "invalid Unicode text"), (err.get("ctx") or {}).get("param")
     loc = _clean_loc(tuple(err.get("loc", ())))
     param = _param_of(loc)
     where = ".".join(str(p) for p in loc[1:] if p is not None) if loc and loc[0] == "body" else ""

@@ -67,7 +67,21 @@ def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Rules pydantic cannot express per field; raise a 400 naming the field."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    # Fields that change the output and that pdserve does not implement are refused unless they hold the no-op
+    # default: ignoring them would return something other than what was asked for.
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.best_of not in (None, 1, req.n):  # best_of == n returns every sample: plain n
+        # vLLM V1 refuses best_of > 1 too ("vLLM V1 does not yet support best_of").
+        raise bad_request("best_of is not supported (only null, 1 or equal to n)", "best_of")
     if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise bad_request("tools is not supported (no tool-call parser)", "tools")
+        if req.functions:
+            raise bad_request("functions is not supported (no tool-call parser)", "functions")
+        if req.function_call not in (None, "none", "auto"):
+            raise bad_request("function_call other than 'none' or 'auto' is not supported (no tool-call parser)",
+                              "function_call")
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if req.tool_choice not in (None, "none", "auto"):

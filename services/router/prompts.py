@@ -71,7 +71,8 @@ class PromptProcessor:
         try:
             return self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, tools=tools or None,
+                **(chat_template_kwargs or {}))
         except Exception as exc:  # jinja raises TemplateError and friends for conversations it refuses
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from exc
 

@@ -2,14 +2,17 @@
 
 Types and single-field ranges are checked here by pydantic (FastAPI turns failures into a 400 naming the
 field); rules that involve several fields or the tokenizer live in ``params.py``. Unknown fields are
-accepted and ignored, as vLLM does, so clients that send newer OpenAI fields keep working.
+accepted and ignored, as vLLM does, so clients that send newer OpenAI fields keep working; known fields that
+would change the output and that pdserve does not implement (``logit_bias``, ``best_of``, ``tools``, ...)
+are declared here and refused in ``params.check_cross_field``. Every string must be valid Unicode.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
 
 # vLLM's default --max-logprobs.
 MAX_LOGPROBS = 20
@@ -22,8 +25,47 @@ REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 TokenId = Annotated[int, Field(ge=0)]
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string anywhere in ``value`` (keys included) is not valid Unicode text.
+
+    JSON's ``\\ud800`` escapes decode to lone UTF-16 surrogates, which cannot be encoded as UTF-8: the
+    tokenizer, msgpack and the response encoder all fail on them (a 500) unless they are refused here.
+    """
+    stack = [value]  # iterative: a deeply nested body must not exhaust the interpreter's recursion limit
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # Before field validation, so the error names the top-level field whatever its type.
+        # ``errors.describe_validation_error`` reads ``param`` from the context (the location is the body).
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if _has_lone_surrogate(key) or _has_lone_surrogate(value):
+                    param = key if not _has_lone_surrogate(key) else None
+                    raise PydanticCustomError(
+                        "invalid_unicode",
+                        "Invalid value for '{param}': a string contains a lone UTF-16 surrogate, which is not "
+                        "valid Unicode (UTF-8) text" if param else
+                        "A field name contains a lone UTF-16 surrogate, which is not valid Unicode (UTF-8) text",
+                        {"param": param})
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -70,6 +112,9 @@ class _SamplingFields(_Body):
     priority: int = 0
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     request_id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)] | None = None
+    # Declared so they are refused (``params.check_cross_field``) rather than ignored: each changes the output.
+    logit_bias: dict[str, Any] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -80,9 +125,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # Passed to the chat template (as vLLM does); calling them needs a tool parser, which pdserve lacks.
+    # Refused unless empty / "none" (params.check_cross_field): calling tools needs a tool parser, which pdserve
+    # lacks, and rendering them into the prompt while never returning tool calls would mislead the client.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
 

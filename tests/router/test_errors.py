@@ -6,6 +6,8 @@ stand-in worker plays the backend; it stands in for the real workers, which have
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -70,6 +72,54 @@ BAD_400 = {
     "tokenize prompt not a string": (("/tokenize", {"model": MODEL, "prompt": 5}), "prompt"),
     "detokenize token out of vocabulary": (("/detokenize", {"model": MODEL, "tokens": [10**9]}), "tokens"),
     "detokenize tokens negative": (("/detokenize", {"model": MODEL, "tokens": [-3]}), "tokens"),
+    # Lone UTF-16 surrogates (JSON "\\ud800") are not text: the tokenizer and the encoders fail on them.
+    "prompt with a lone surrogate": (completion(prompt="\ud800"), "prompt"),
+    "prompt list with a lone surrogate": (completion(prompt=["ok", "a\udc00b"]), "prompt"),
+    "message content with a lone surrogate": (chat(messages=[{"role": "user", "content": "hi \ud800"}]),
+                                              "messages"),
+    "content part with a lone surrogate": (chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "\udfff"}]}]), "messages"),
+    "stop with a lone surrogate": (chat(stop=["\ud800"]), "stop"),
+    "temperature a lone surrogate": (chat(temperature="\ud800"), "temperature"),
+    "tokenize prompt with a lone surrogate": (("/tokenize", {"model": MODEL, "prompt": "\ud800"}), "prompt"),
+    "tokenize messages with a lone surrogate": (("/tokenize", {"model": MODEL, "messages": [
+        {"role": "user", "content": "\ud800"}]}), "messages"),
+    "field name with a lone surrogate": (chat(**{"\ud800": 1}), None),
+    # Parameters pdserve does not implement are refused, not ignored.
+    "logit_bias": (chat(logit_bias={"100": 5}), "logit_bias"),
+    "logit_bias out of vocabulary": (completion(logit_bias={"999999999": 500}), "logit_bias"),
+    "logit_bias not an object": (completion(logit_bias=[1]), "logit_bias"),
+    "best_of above n": (completion(best_of=2), "best_of"),
+    "best_of zero": (completion(best_of=0), "best_of"),
+    "chat best_of above n": (chat(n=2, best_of=3), "best_of"),
+    "tools": (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    "functions": (chat(functions=[{"name": "f", "parameters": {}}]), "functions"),
+    "function_call forced": (chat(function_call={"name": "f"}), "function_call"),
+    "tool_choice required": (chat(tool_choice="required"), "tool_choice"),
+    "stop_token_ids out of vocabulary": (chat(stop_token_ids=[5, 49152]), "stop_token_ids"),
+    "completion stop_token_ids out of vocabulary": (completion(stop_token_ids=[10**9]), "stop_token_ids"),
+    "33 stop strings": (chat(stop=[f"s{i}" for i in range(33)]), "stop"),
+    "stop string of 257 characters": (completion(stop=["x" * 257]), "stop"),
+}
+
+# Exact bodies of the refusals above whose message is pdserve's own (not pydantic's).
+EXACT_MESSAGE = {
+    "prompt with a lone surrogate": "Invalid value for 'prompt': a string contains a lone UTF-16 surrogate, which "
+                                    "is not valid Unicode (UTF-8) text",
+    "stop with a lone surrogate": "Invalid value for 'stop': a string contains a lone UTF-16 surrogate, which is "
+                                  "not valid Unicode (UTF-8) text",
+    "field name with a lone surrogate": "A field name contains a lone UTF-16 surrogate, which is not valid Unicode "
+                                        "(UTF-8) text",
+    "logit_bias": "logit_bias is not supported",
+    "logit_bias out of vocabulary": "logit_bias is not supported",
+    "best_of above n": "best_of is not supported (only null, 1 or equal to n)",
+    "chat best_of above n": "best_of is not supported (only null, 1 or equal to n)",
+    "tools": "tools is not supported (no tool-call parser)",
+    "functions": "functions is not supported (no tool-call parser)",
+    "function_call forced": "function_call other than 'none' or 'auto' is not supported (no tool-call parser)",
+    "stop_token_ids out of vocabulary": "Token id 49152 is out of vocabulary (size 49152)",
+    "33 stop strings": "stop must be at most 32 strings, got 33",
+    "stop string of 257 characters": "stop must be strings of at most 256 characters, got one of 257",
 }
 
 
@@ -94,8 +144,13 @@ def assert_next_request_works(router) -> None:
 @pytest.mark.parametrize("case", list(BAD_400))
 def test_bad_parameter_gets_400_naming_it(router, worker, case):
     (path, body), param = BAD_400[case]
-    resp = httpx.post(router.url + path, json=body, timeout=30)
+    # json.dumps escapes lone surrogates as "\\ud800" (httpx's json= would fail to encode them)
+    resp = httpx.post(router.url + path, content=json.dumps(body), timeout=30,
+                      headers={"content-type": "application/json"})
     assert_error(resp, 400, "BadRequestError", param)
+    if case in EXACT_MESSAGE:
+        assert resp.json() == {"error": {"message": EXACT_MESSAGE[case], "type": "BadRequestError",
+                                         "param": param, "code": 400}}
     assert worker.received == []  # nothing was queued
     assert_next_request_works(router)
 
@@ -237,3 +292,31 @@ def test_request_over_the_concurrency_limit_gets_429_with_retry_after(redis_url,
                           timeout=30).status_code == 200
     finally:
         limited.stop()
+
+
+NO_OP_VALUES = {
+    "logit_bias null": chat(logit_bias=None),
+    "logit_bias empty": completion(logit_bias={}),
+    "best_of 1": completion(best_of=1),
+    "best_of equal to n": completion(n=2, best_of=2),
+    "tools empty": chat(tools=[], tool_choice="none"),
+    "tools null": chat(tools=None, tool_choice=None),
+    "functions empty": chat(functions=[], function_call="none"),
+    "stop_token_ids last in vocabulary": chat(stop_token_ids=[49151]),
+    "32 stop strings of 256 characters": completion(stop=[f"{i:03d}" + "z" * 253 for i in range(32)]),
+    "non-ASCII text and a surrogate pair": completion(prompt="caf\u00e9 \U0001F600", stop=["\U0001F600"]),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_OP_VALUES))
+def test_no_op_values_of_unsupported_parameters_are_accepted(router, worker, case):
+    path, body = NO_OP_VALUES[case]
+    body = {**body, "max_tokens": 5}  # the stand-in worker otherwise generates up to the context length
+    resp = httpx.post(router.url + path, content=json.dumps(body), timeout=30,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == body.get("n", 1)
+    params = worker.received[0].request.sampling_params
+    assert params["stop_token_ids"] == body.get("stop_token_ids", [])
+    assert params["stop"] == body.get("stop", [])
+    assert_next_request_works(router)
