@@ -63,10 +63,20 @@ class RequestPlan:
         return params
 
 
+# vLLM's extra request fields that change the output and that pdserve does not implement; the schemas keep
+# unknown fields (OpenAI clients send new ones), so these are named to be refused rather than ignored.
+UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                          "use_beam_search", "allowed_token_ids", "bad_words", "prompt_logprobs", "logits_processors")
+
+
 def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Rules pydantic cannot express per field; raise a 400 naming the field."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    extra = req.model_extra or {}
+    for name in UNSUPPORTED_EXTENSIONS:
+        if extra.get(name) not in (None, False, [], {}, ""):
+            raise bad_request(f"{name} is not supported", name)
     # Fields that change the output and that pdserve does not implement are refused unless they hold the no-op
     # default: ignoring them would return something other than what was asked for.
     if req.logit_bias:

@@ -87,6 +87,11 @@ BAD_400 = {
     "field name with a lone surrogate": (chat(**{"\ud800": 1}), None),
     # Parameters pdserve does not implement are refused, not ignored.
     "logit_bias": (chat(logit_bias={"100": 5}), "logit_bias"),
+    "guided_json (vLLM extension)": (chat(guided_json={"type": "object"}), "guided_json"),
+    "guided_choice (vLLM extension)": (completion(guided_choice=["yes", "no"]), "guided_choice"),
+    "use_beam_search (vLLM extension)": (completion(use_beam_search=True), "use_beam_search"),
+    "allowed_token_ids (vLLM extension)": (chat(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    "bad_words (vLLM extension)": (completion(bad_words=["x"]), "bad_words"),
     "logit_bias out of vocabulary": (completion(logit_bias={"999999999": 500}), "logit_bias"),
     "logit_bias not an object": (completion(logit_bias=[1]), "logit_bias"),
     "best_of above n": (completion(best_of=2), "best_of"),
@@ -111,6 +116,8 @@ EXACT_MESSAGE = {
     "field name with a lone surrogate": "A field name contains a lone UTF-16 surrogate, which is not valid Unicode "
                                         "(UTF-8) text",
     "logit_bias": "logit_bias is not supported",
+    "guided_json (vLLM extension)": "guided_json is not supported",
+    "use_beam_search (vLLM extension)": "use_beam_search is not supported",
     "logit_bias out of vocabulary": "logit_bias is not supported",
     "best_of above n": "best_of is not supported (only null, 1 or equal to n)",
     "chat best_of above n": "best_of is not supported (only null, 1 or equal to n)",
