@@ -24,6 +24,7 @@ from pdserve.shared.transport.frames import Commit, Reserve
 from pdserve.shared.transport.handshake import HandshakeError
 from pdserve.shared.worker.base import Worker
 from pdserve.shared.worker.events import error_event, publish
+from pdserve.shared.worker.redis_retry import retry_redis
 from pdserve.shared.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -133,18 +134,11 @@ class PrefillWorker(Worker):
     async def _ack(self, msg_id, retry_s: float = 60.0) -> None:
         """XACK + XDEL, retried with backoff while Redis is away (an entry left pending would be reclaimed and
         run twice)."""
-        delay, deadline = 0.1, time.monotonic() + retry_s
-        while True:
-            try:
-                await self.redis.xack(keys.PREFILL_STREAM, keys.PREFILL_GROUP, msg_id)
-                await self.redis.xdel(keys.PREFILL_STREAM, msg_id)
-                return
-            except (RedisError, OSError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                logger.warning("acknowledging %s failed (%s); retrying in %.1f s", msg_id, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
+        async def ack() -> None:
+            await self.redis.xack(keys.PREFILL_STREAM, keys.PREFILL_GROUP, msg_id)
+            await self.redis.xdel(keys.PREFILL_STREAM, msg_id)
+
+        await retry_redis(ack, f"acknowledging {msg_id}", retry_s)
 
     async def _admit(self, msg_id, fields) -> None:
         try:

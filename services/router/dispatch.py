@@ -142,8 +142,8 @@ class Dispatcher:
             pods = await self.pods("decode")
         except OpenAIError:
             return default
-        return min([default] + [int(getattr(p, "max_model_len", 0) or 0) for p in pods
-                                if int(getattr(p, "max_model_len", 0) or 0) > 0])
+        reported = (int(getattr(p, "max_model_len", 0) or 0) for p in pods)
+        return min([default, *(n for n in reported if n > 0)])
 
     async def _list_pods(self, role: str) -> list[Any]:
         pods = list(await self._ask_registry(self.directory.list_pods, role))

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-
-from redis.exceptions import RedisError
-
 from pdserve.shared.engine.outputs import RequestOutput
 from pdserve.shared.protocol.messages import OutputEvent, OutputWriter, TokenLogprob
+from pdserve.shared.worker.redis_retry import retry_redis
 
-logger = logging.getLogger(__name__)
 
 def to_event(out: RequestOutput, num_logprobs: int | None, first: bool) -> OutputEvent:
     """The step's delta of completion 0 as an event (the router fans n > 1 out into requests)."""
@@ -51,17 +45,11 @@ async def publish(writer: OutputWriter, redis, events: list[OutputEvent], retry_
     """
     if not events:
         return
-    delay, deadline = 0.1, time.monotonic() + retry_s
-    while True:
-        try:
-            pipe = redis.pipeline(transaction=False)
-            for event in events:
-                await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
-            await pipe.execute()
-            return
-        except (RedisError, OSError) as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            logger.warning("writing %d output events failed (%s); retrying in %.1f s", len(events), exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(2.0, delay * 2)
+
+    async def write() -> None:
+        pipe = redis.pipeline(transaction=False)
+        for event in events:
+            await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
+        await pipe.execute()
+
+    await retry_redis(write, f"writing {len(events)} output events", retry_s)
