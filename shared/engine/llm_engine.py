@@ -158,9 +158,7 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestRejected("The prompt cannot be empty.", "prompt")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestRejected(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).", "prompt")
+        self._check_vocabulary(prompt_token_ids, "prompt")
         if n >= self.max_model_len:
             raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
@@ -184,13 +182,14 @@ class LLMEngine:
         _advance(generator, len(output_token_ids))
         return request
 
-    def validate_output(self, prompt_token_ids: list[int], output_token_ids: list[int], params: SamplingParams,
-                        max_tokens: int) -> None:
-        """Check the output a resumed request already has (see ``add_request``); raises ``RequestRejected``."""
-        bad = next((t for t in output_token_ids if not 0 <= t < self.vocab_size), None)
+    def _check_vocabulary(self, token_ids: list[int], param: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise RequestRejected(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).",
-                                  "output_token_ids")
+            raise RequestRejected(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).", param)
+
+    def validate_output(self, output_token_ids: list[int], params: SamplingParams, max_tokens: int) -> None:
+        """Check the output a resumed request already has (see ``add_request``); raises ``RequestRejected``."""
+        self._check_vocabulary(output_token_ids, "output_token_ids")
         if len(output_token_ids) >= max_tokens:
             raise RequestRejected(f"The request already has {len(output_token_ids)} of its {max_tokens} output "
                                   "tokens; nothing is left to generate.", "output_token_ids")
@@ -229,7 +228,7 @@ class LLMEngine:
             # block hashes treat "" like no salt: it would share the unsalted tenants' prefix cache
             raise RequestRejected("cache_salt must be a non-empty string when given.", "cache_salt")
         max_tokens = self.validate_prompt(prompt_token_ids, params)
-        self.validate_output(prompt_token_ids, output_token_ids, params, max_tokens)
+        self.validate_output(output_token_ids, params, max_tokens)
         request = self._new_request(request_id, prompt_token_ids, params, max_tokens, arrival_time, priority,
                                     cache_salt, prefill_only=prefill_only, output_token_ids=output_token_ids)
         group = _Group(request_id, prompt, params)
@@ -446,7 +445,7 @@ class LLMEngine:
                 raise RequestRejected("output_token_ids must be the last tokens of the reserved KV",
                                       "output_token_ids")
             max_tokens = self.validate_prompt(tokens[:split], params)
-            self.validate_output(tokens[:split], output_token_ids, params, max_tokens)
+            self.validate_output(output_token_ids, params, max_tokens)
         except ValueError:
             self.kv_manager.free(reserved)
             raise
