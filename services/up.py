@@ -6,7 +6,8 @@ the router, N prefill and M decode workers (``python -m pdserve.services.cli <se
 through ``PDSERVE_*`` environment variables on free ports), waits until every ``/health`` answers
 200, prints the router URL, and supervises. The KV-transfer secret and the registry's bearer token are
 generated per run unless ``PDSERVE_KV_TRANSFER_SECRET`` / ``PDSERVE_REGISTRY_TOKEN`` are set (set the
-token to call the registry yourself). Ctrl-C, SIGTERM, or any child dying stops them all:
+token to call the registry yourself). A prefill or decode worker that dies is started again; Ctrl-C,
+SIGTERM, or Redis, the registry or the router dying stops them all:
 SIGTERM to each child's process group, a grace period, then SIGKILL. Children also get SIGTERM from
 the kernel if ``up`` itself is killed (Linux ``PR_SET_PDEATHSIG``), so nothing is left behind.
 """
@@ -90,6 +91,10 @@ class Child:
                 start_new_session=True,  # own process group: one killpg reaches its helpers too
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
+
+    @property
+    def is_worker(self) -> bool:
+        return self.name.startswith(("prefill-", "decode-"))
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -292,7 +297,7 @@ class Ensemble:
                 rc = child.exited()
                 if rc is None:
                     continue
-                if self.restart_workers and child.name.startswith(("prefill-", "decode-")):
+                if self.restart_workers and child.is_worker:
                     self._restart_later(child, rc)
                     continue
                 self.echo(f"pdserve up: {child.name} exited with status {rc}; stopping everything. "
@@ -384,7 +389,7 @@ def run(opts: UpOptions) -> int:
         click.echo(f"  registry   {registry.health_url.removesuffix('/health')}  ({token_note})")
         click.echo(f"  redis      {redis_url}")
         for child in children:
-            if child.name.startswith(("prefill-", "decode-")) and child.health_url:
+            if child.is_worker and child.health_url:
                 click.echo(f"  {child.name:<10} {child.health_url.removesuffix('/health')}  (/health, /metrics, /v1/stats)")
         click.echo(f"  logs       {log_dir}")
         click.echo("Press Ctrl-C to stop.")
