@@ -100,7 +100,7 @@ class DecodeReceiver:
         if await w.is_aborted(msg.request_id):
             return CommitReply(ok=False, error="request was aborted")
         w.requests[msg.request_id] = {"arrival_time": msg.arrival_time, "num_logprobs": params.logprobs,
-                                      "sent_first": True, "committed": time.time()}
+                                      "sent_first": True, "committed": time.time(), "router_id": msg.router_id}
         try:
             await w.engine_thread.acall(w.engine.commit, msg.request_id, msg.first_token_id, params,
                                         arrival_time=msg.arrival_time, output_token_ids=msg.output_token_ids,
@@ -132,12 +132,66 @@ class DecodeWorker(Worker):
                                           lease_ttl_s=s.lease_ttl_s)
         await self.kv_server.start()
         self.kv_port = self.kv_server.port
-        self.tasks.append(asyncio.create_task(self._consume_local()))
+        self.tasks += [asyncio.create_task(self._consume_local()), asyncio.create_task(self._reap_orphans())]
 
     async def stop(self) -> None:
+        """Shutdown (SIGTERM): leave the registry and take no new request, then hand the running ones over."""
+        self.ready = False
+        if self.heartbeater is not None:
+            await self.heartbeater.stop()  # deregisters: the router places nothing here and finds this pod gone
+            self.heartbeater = None
         if self.kv_server is not None:
             await self.kv_server.stop()
+        await self.hand_over()
         await super().stop()
+
+    async def hand_over(self) -> None:
+        """Every request this pod holds ends here with a 503, which the router answers by migrating it to another
+        decode pod with the output its client already has (``services/router/migration.py``): a stopping pod
+        loses no request. The engine stops them first, so nothing follows the 503."""
+        if self.engine_thread is None or not self.engine_thread.alive or not self.requests:
+            return
+        ids = list(self.requests)
+        for rid in ids:
+            await self.abort(rid)
+        logger.warning("shutting down: handing %d requests over to other decode pods", len(ids))
+        message = f"decode pod {self.settings.pod_id} is shutting down"
+        try:
+            await publish(self.writer, self.redis, [error_event(rid, message, 503) for rid in ids], retry_s=5.0)
+        except (RedisError, OSError) as exc:  # the router's stall check still finds this pod gone
+            logger.warning("could not tell the router about %d handed-over requests: %s", len(ids), exc)
+
+    async def _reap_orphans(self) -> None:
+        """Drop the requests whose router is gone (its ``keys.router_key`` missing for ``ORPHAN_AFTER_S``, seen
+        while Redis answers): nobody reads their output, and they would hold blocks and batch slots until they
+        finish. Requests that name no router are never dropped so."""
+        missing_since: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(1.0)
+            owners: dict[str, list[str]] = {}
+            for rid, info in list(self.requests.items()):
+                if info.get("router_id"):
+                    owners.setdefault(info["router_id"], []).append(rid)
+            for router in set(missing_since) - set(owners):
+                del missing_since[router]
+            if not owners:
+                continue
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for router in owners:
+                        pipe.exists(keys.router_key(router))
+                    alive = await pipe.execute()
+            except (RedisError, OSError):
+                continue
+            now = time.monotonic()
+            for (router, rids), exists in zip(owners.items(), alive):
+                if exists:
+                    missing_since.pop(router, None)
+                elif now - missing_since.setdefault(router, now) >= keys.ORPHAN_AFTER_S:
+                    logger.warning("router %s is gone: aborting its %d requests here", router, len(rids))
+                    for rid in rids:
+                        await self.abort(rid)
+                    self.metrics.requests_orphaned.inc(len(rids))
 
     async def _ensure_group(self, stream: str) -> None:
         try:
@@ -191,7 +245,7 @@ class DecodeWorker(Worker):
         try:
             params = SamplingParams.from_dict(req.sampling_params)
             self.requests[req.request_id] = {"arrival_time": req.arrival_time, "num_logprobs": params.logprobs,
-                                             "admitted": time.time()}
+                                             "admitted": time.time(), "router_id": req.router_id}
             await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
                                            arrival_time=req.arrival_time, priority=req.priority,
                                            cache_salt=req.cache_salt, output_token_ids=req.output_token_ids,

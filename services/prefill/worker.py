@@ -273,7 +273,7 @@ class PrefillWorker(Worker):
             self.metrics.kv_transfer_bytes.inc(kv[skip:].numel() * kv.element_size())
             commit = await client.commit(Commit(rid, first_token, req.sampling_params, req.prompt_token_ids,
                                                 req.arrival_time, req.deadline, out.metrics.get("first_token_time"),
-                                                req.output_token_ids, req.output_text_len))
+                                                req.output_token_ids, req.output_text_len, req.router_id))
             if not commit.ok:
                 raise KVTransferError(f"decode pod {req.decode_pod_id} refused the hand-over: {commit.error}")
             self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)

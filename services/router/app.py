@@ -38,6 +38,7 @@ from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest
 
 from . import errors
 from .dispatch import Dispatcher, PodDirectory, RoutingConfig
+from .drain import Drain, DrainGate
 from .errors import OpenAIError
 from .metrics import RouterMetrics
 from .middleware import GuardMiddleware, StatusCounter
@@ -71,6 +72,8 @@ class RouterState:
     active: int = 0  # requests between submit and finish
     queued: int = 0  # admitted requests not decoding yet (in a queue, in prefill, or waiting for a decode slot)
     queued_tokens: int = 0  # their prompt tokens (all choices)
+    # This incarnation, named in every request it enqueues: decode pods drop the requests of a router gone
+    router_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclass(slots=True)
@@ -100,6 +103,16 @@ def _version() -> str:
 
 def _debug_enabled() -> bool:
     return logger.isEnabledFor(logging.DEBUG)
+
+
+async def _announce(redis: Redis, router_id: str) -> None:
+    """Keep this router incarnation's key alive (``keys.router_key``) until cancelled; Redis errors are retried."""
+    while True:
+        try:
+            await redis.set(keys.router_key(router_id), b"1", ex=keys.ROUTER_TTL_S)
+        except RedisError as exc:
+            logger.debug("announcing router %s failed: %s", router_id, exc)
+        await asyncio.sleep(keys.ROUTER_TTL_S / 3)
 
 
 class _ChoiceTiming:
@@ -177,11 +190,17 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                   RoutingConfig(settings.routing_mode, settings.routing_load_weight,
                                                 settings.routing_temperature), app.state.metrics),
             metrics=app.state.metrics, defaults=defaults)
+        alive = asyncio.create_task(_announce(redis, app.state.router.router_id))
         logger.info("router serving %s (max_model_len %d), redis %s, registry %s", settings.served_name,
-                    processor.max_model_len, settings.redis_url, settings.registry_url)
+                    processor.max_model_len, keys.redact_url(settings.redis_url), settings.registry_url)
         try:
             yield
         finally:
+            alive.cancel()
+            try:
+                await redis.delete(keys.router_key(app.state.router.router_id))  # what is left is orphaned now
+            except RedisError:
+                pass
             close = getattr(directory, "aclose", None) or getattr(directory, "close", None)
             if owns_directory and close is not None:
                 result = close()
@@ -191,7 +210,11 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.metrics = RouterMetrics(settings.served_name)
+    # SIGTERM drains (``DrainingServer`` runs it); before the lifespan starts nothing is in flight
+    app.state.drain = Drain(settings.shutdown_grace_s, settings.retry_after_s,
+                            lambda: getattr(getattr(app.state, "router", None), "active", 0))
     app.add_middleware(GuardMiddleware, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(DrainGate, drain=app.state.drain)  # outside the key check: a draining router says so to all
     # Added last = outermost: it also counts the guard's 401s and 413s.
     app.add_middleware(StatusCounter, counter=app.state.metrics.requests,
                        paths={"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
@@ -365,7 +388,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                     prompt_token_ids=ids, sampling_params=p.choice_params(prompt_index, j),
                     decode_pod_id=pod.pod_id, decode_host=pod.host, decode_kv_port=int(pod.kv_port),
                     arrival_time=arrival_wall, deadline=None, cache_salt=cache_salt,
-                    priority=req.priority, choice_index=prompt_index * p.n + j) for j in range(p.n)]
+                    priority=req.priority, choice_index=prompt_index * p.n + j, router_id=st.router_id)
+                    for j in range(p.n)]
                 await st.dispatcher.enqueue(placement, choices)
                 pods.extend([pod.pod_id] * p.n)
                 job.routes.extend(ChoiceRoute(c.request_id, pod.pod_id, c.prompt_token_ids, c.sampling_params,
@@ -431,10 +455,12 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
             migrate = Migrator(st.redis, st.dispatcher, job, settings.model, settings.max_migrations,
                                settings.migration_pod_gone_wait_s,
                                lambda reason: st.metrics.migrations.labels(
-                                   settings.served_name, "error" if reason.startswith("worker") else "stall").inc())
+                                   settings.served_name, "error" if reason.startswith("worker") else "stall").inc(),
+                               router_id=st.router_id)
             relay = OutputRelay(st.redis, job.routes, settings.request_timeout_s, settings.migration_stall_s,
                                 migrate if settings.migration_stall_s else None,
-                                redis_retry_s=settings.redis_retry_s)
+                                redis_retry_s=settings.redis_retry_s,
+                                stop=(app.state.drain.expired, app.state.drain.error))
             async for index, event in relay:
                 if job.queued and started_decoding(event):
                     job.decoding.add(index)

@@ -44,19 +44,24 @@ from .settings import RouterSettings
               help="Requests waiting for their first token; more get 429 (0 = no limit).")
 @click.option("--max-queued-prompt-tokens", type=int, default=None,
               help="Prompt tokens waiting for prefill; more get 429 (0 = no limit).")
+@click.option("--shutdown-grace-s", type=float, default=None,
+              help="On SIGTERM, seconds requests in flight may still run before they end with an error "
+                   "[PDSERVE_SHUTDOWN_GRACE_S, default 30].")
 @click.option("--log-level", default=None, help="debug|info|warning|error [PDSERVE_LOG_LEVEL].")
 def command(**flags: Any) -> None:
     """Run the router (OpenAI-compatible REST gateway). Flags override PDSERVE_* environment variables."""
     import uvicorn
 
     from .app import create_app
+    from .drain import DrainingServer
 
     settings = RouterSettings(**{k: v for k, v in flags.items() if v is not None})
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.drain).run()  # SIGTERM drains first (drain.py)
 
 
 if __name__ == "__main__":

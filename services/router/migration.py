@@ -46,7 +46,8 @@ class Migrator:
     """
 
     def __init__(self, redis: Any, dispatcher: Any, job: Any, model: str, max_migrations: int,
-                 pod_gone_wait_s: float, on_migrated: Any = None) -> None:
+                 pod_gone_wait_s: float, on_migrated: Any = None, router_id: str | None = None) -> None:
+        self.router_id = router_id
         self.redis = redis
         self.dispatcher = dispatcher
         self.job = job
@@ -103,7 +104,7 @@ class Migrator:
                                  decode_host=placement.pod.host, decode_kv_port=int(placement.pod.kv_port),
                                  arrival_time=time.time(), cache_salt=route.cache_salt, priority=route.priority,
                                  choice_index=index, output_token_ids=list(route.token_ids),
-                                 output_text_len=route.text_len)
+                                 output_text_len=route.text_len, router_id=self.router_id)
         await self.dispatcher.enqueue(placement, [request])
         old_pod = self.job.pods[index] if index < len(self.job.pods) else route.pod_id
         self.dispatcher.finished(old_pod, 1)

@@ -96,14 +96,16 @@ def accept(route: ChoiceRoute, event: OutputEvent) -> OutputEvent | None:
 class OutputRelay:
     """Yields ``(choice_index, event)`` until every choice has its final event (see the module doc).
 
-    Raises ``OpenAIError(504)`` when no event arrives for ``idle_timeout_s``, ``OpenAIError(500)`` for an entry
+    Raises ``OpenAIError(504)`` when no event arrives for ``idle_timeout_s``, ``stop``'s error once its event is set, ``OpenAIError(500)`` for an entry
     that is not an ``OutputEvent``; Redis connection errors are retried for ``redis_retry_s`` (a restart),
     then raised. Deletes each output stream once its final event is read.
     """
 
     def __init__(self, redis: Redis, routes: list[ChoiceRoute], idle_timeout_s: float, stall_s: float = 0.0,
-                 migrate: Migrate | None = None, block_ms: int = 1000, redis_retry_s: float = 30.0) -> None:
+                 migrate: Migrate | None = None, block_ms: int = 1000, redis_retry_s: float = 30.0,
+                 stop: tuple[asyncio.Event, Callable[[], Exception]] | None = None) -> None:
         self.redis_retry_s = redis_retry_s
+        self.stop = stop  # (event, error): once the event is set, the next read raises the error (shutdown)
         self.redis = redis
         self.routes = routes
         self.idle_timeout_s = idle_timeout_s
@@ -130,6 +132,8 @@ class OutputRelay:
         outage: float | None = None
         block_ms = self.block_ms if not self.stall_s else max(50, min(self.block_ms, int(self.stall_s * 500)))
         while last_ids:
+            if self.stop is not None and self.stop[0].is_set():
+                raise self.stop[1]()
             by_name = {name: i for i, (name, _) in last_ids.items()}
             try:
                 reply = await self.redis.xread({name: last for name, last in last_ids.values()}, block=block_ms,

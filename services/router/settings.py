@@ -71,6 +71,9 @@ class RouterSettings(BaseSettings):
     redis_retry_s: float = Field(30.0, ge=0)
     # Requests this router serves at once; one more gets 429 with Retry-After (0 = no limit).
     max_concurrent_requests: int = Field(0, ge=0)
+    # On SIGTERM: how long requests in flight may still run (new ones get 503) before the rest end with an
+    # error chunk (s). Kubernetes' terminationGracePeriodSeconds must exceed it plus the preStop pause.
+    shutdown_grace_s: float = Field(30.0, ge=0)
     # Retry-After (s) sent with 503 when no decode pod is alive, and with 429.
     retry_after_s: int = Field(1, ge=0)
     log_level: str = "info"

@@ -8,6 +8,8 @@ Streams:
                                  ``messages.OutputWriter`` (skips aborted requests, refreshes the TTL
                                  ``OUTPUT_TTL_S`` on every event); the router deletes it once it has read the
                                  final event.
+Keys:
+  ``pdserve:router:{router_id}`` a live router incarnation (TTL ``ROUTER_TTL_S``); requests name it as their owner.
 Abort:
   channel ``pdserve:abort`` carries a request id; key ``pdserve:aborted:{request_id}`` (TTL ``ABORTED_TTL_S``)
   lets a worker that was not subscribed at publish time (or dequeues the request later) see it too.
@@ -22,6 +24,11 @@ PREFILL_GROUP = "prefill"
 DECODE_GROUP = "decode"
 
 ABORT_CHANNEL = "pdserve:abort"
+
+# A router refreshes its incarnation's key every ROUTER_TTL_S / 3; a decode pod drops the requests of a router
+# whose key stayed missing for ORPHAN_AFTER_S (checked while Redis answers: a flushed key is back in seconds).
+ROUTER_TTL_S = 6
+ORPHAN_AFTER_S = 4.0
 
 # The router deletes an output stream when it has read the final event; the TTL bounds memory when no one does
 # (router gone, client gone before the worker finished).
@@ -39,6 +46,23 @@ def output_stream(request_id: str) -> str:
     return f"pdserve:out:{request_id}"
 
 
+def router_key(router_id: str) -> str:
+    """Exists (TTL ``ROUTER_TTL_S``) while the router incarnation ``router_id`` runs."""
+    return f"pdserve:router:{router_id}"
+
+
 def aborted_key(request_id: str) -> str:
     """Set (TTL ``ABORTED_TTL_S``) when a request was aborted; workers check it before starting work."""
     return f"pdserve:aborted:{request_id}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``redis://:secret@host``) replaced by ``***``: what logs and banners show."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}***@{host}"))

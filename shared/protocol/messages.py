@@ -76,6 +76,9 @@ class PrefillRequest:
     # A migrated request resumes: the output its client already has (``LLMEngine.add_request``)
     output_token_ids: list[int] = field(default_factory=list)
     output_text_len: int = 0
+    # The router incarnation relaying the output (``keys.router_key``): once it is gone, the decode pod drops
+    # the request as an orphan. None: never dropped so.
+    router_id: str | None = None
 
     @property
     def prompt_tokens(self) -> int:

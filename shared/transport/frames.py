@@ -195,6 +195,7 @@ class Commit:
     first_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_text_len: int = 0
+    router_id: str | None = None  # PrefillRequest.router_id
 
 
 @dataclass(slots=True)

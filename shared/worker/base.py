@@ -277,13 +277,29 @@ class Worker:
 
 
 async def serve(worker: Worker) -> None:
-    """Run the worker and its HTTP app until SIGINT/SIGTERM (uvicorn handles the signals)."""
+    """Run the worker and its HTTP app until SIGINT/SIGTERM (uvicorn handles the signals), then ``worker.stop()``
+    (a decode pod hands its requests over there) and return."""
+    import contextlib
+    import signal
+
     import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own re-raises the signal once the HTTP side has shut down, which killed the worker before
+            # ``worker.stop()`` ran: the pod stayed registered and its requests were dropped mid-step.
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     settings = worker.settings
     config = uvicorn.Config(worker.create_app(), host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), access_log=False, lifespan="off")
-    server = uvicorn.Server(config)
+    server = Server(config)
     worker.http_port = settings.port
     server_task = asyncio.create_task(server.serve())
     start = asyncio.create_task(worker.start())

@@ -55,6 +55,8 @@ class WorkerMetrics:
         self.queue_tokens = Gauge("pdserve:prefill_queue_tokens", "Prompt tokens taken from the queue, not yet prefilled",
                                   names, registry=r).labels(**labels)
         self.requests_failed = Counter("pdserve:request_failures", "Requests that ended with an error", names, registry=r).labels(**labels)
+        self.requests_orphaned = Counter("pdserve:requests_orphaned", "Requests dropped because the router relaying "
+                                         "them is gone", names, registry=r).labels(**labels)
 
     def update_from_stats(self, stats: dict) -> None:
         self.running.set(stats["num_running"])
