@@ -6,8 +6,11 @@ the router, N prefill and M decode workers (``python -m pdserve.services.cli <se
 through ``PDSERVE_*`` environment variables on free ports), waits until every ``/health`` answers
 200, prints the router URL, and supervises. The KV-transfer secret and the registry's bearer token are
 generated per run unless ``PDSERVE_KV_TRANSFER_SECRET`` / ``PDSERVE_REGISTRY_TOKEN`` are set (set the
-token to call the registry yourself). A prefill or decode worker that dies is started again; Ctrl-C,
-SIGTERM, or Redis, the registry or the router dying stops them all:
+token to call the registry yourself); so is the embedded Redis's password (``PDSERVE_REDIS_PASSWORD``),
+which reaches every child inside its Redis URL. The model is resolved before anything starts. Any child
+but Redis that dies is started again, as Kubernetes restarts a container (the registry keeps its state
+in Redis; a restarted router's old clients are gone, and the decode pods drop their requests as
+orphans); Ctrl-C, SIGTERM, or Redis dying stops them all:
 SIGTERM to each child's process group, a grace period, then SIGKILL. Children also get SIGTERM from
 the kernel if ``up`` itself is killed (Linux ``PR_SET_PDEATHSIG``), so nothing is left behind.
 """
@@ -28,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+
+from pdserve.shared.protocol.keys import redact_url
 
 SERVICE_ORDER = ("redis", "registry", "decode", "prefill", "router")
 
@@ -95,6 +100,11 @@ class Child:
     @property
     def is_worker(self) -> bool:
         return self.name.startswith(("prefill-", "decode-"))
+
+    @property
+    def restartable(self) -> bool:
+        """Everything but the embedded Redis, whose data (no persistence) would not come back with it."""
+        return self.name != "redis"
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -176,11 +186,16 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
     redis_url = external_redis_url(opts)
     if redis_url is None:
         port = free_port()
-        redis_url = f"redis://127.0.0.1:{port}/0"
+        # Even on loopback: any local process could otherwise read prompts and outputs off the streams.
+        password = os.environ.get("PDSERVE_REDIS_PASSWORD") or secrets.token_hex(32)
+        redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
         data = log_dir / "redis-data"
         data.mkdir(parents=True, exist_ok=True)
+        conf = log_dir / "redis.conf"  # the password in a 0600 file, not on the command line `ps` shows
+        conf.write_text(f"requirepass {password}\n")
+        conf.chmod(0o600)
         children.append(Child(
-            "redis", [redis_executable(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "redis", [redis_executable(), str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                       "--appendonly", "no", "--dir", str(data), "--daemonize", "no"],
             dict(os.environ), log_dir / "redis.log", redis_url=redis_url))
     registry_port = opts.registry_port or free_port()
@@ -200,7 +215,7 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
         **opts.engine,
     }
     children.append(Child(
-        "registry", [*py, "registry", "--host", opts.host, "--port", str(registry_port), "--redis-url", redis_url],
+        "registry", [*py, "registry", "--host", opts.host, "--port", str(registry_port)],  # Redis URL: env
         dict(common), log_dir / "registry.log", health_url=f"{registry_url}/health"))
     for i in range(opts.num_decode):
         http, kv = free_port(), free_port()
@@ -215,12 +230,14 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
                               health_url=f"http://{advertise}:{http}/health"))
     if opts.router:
         env = {**common, "PDSERVE_PORT": str(opts.port), **({"PDSERVE_API_KEY": opts.api_key} if opts.api_key else {})}
+        # its drain (grace, then error chunks) ends before ``stop`` would SIGKILL it
+        env.setdefault("PDSERVE_SHUTDOWN_GRACE_S", f"{opts.stop_timeout_s / 2:g}")
         children.append(Child("router", [*py, "router"], env, log_dir / "router.log",
                               health_url=f"http://{advertise}:{opts.port}/health"))
     return children
 
 
-class _Stop(Exception):
+class _Stop(BaseException):  # not an Exception: no ``except Exception`` (a health probe) may swallow it
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
 
@@ -288,16 +305,16 @@ class Ensemble:
                 time.sleep(0.2)
 
     def watch(self) -> None:
-        """Runs until Redis, the registry or the router exits (then raises ``SystemExit(1)`` after printing
-        why); signals interrupt it via ``_Stop``. A prefill or decode worker that exits is started again, as
-        Kubernetes restarts a container (same pod id and ports; back-off 1, 2, 4 .. 30 s, reset after
-        ``RESTART_RESET_S`` up): the router migrates what it held meanwhile."""
+        """Runs until Redis exits (then raises ``SystemExit(1)`` after printing why); signals interrupt it via
+        ``_Stop``. Any other child that exits is started again, as Kubernetes restarts a container (same pod
+        id and ports; back-off 1, 2, 4 .. 30 s, reset after ``RESTART_RESET_S`` up): the router migrates what
+        a worker held meanwhile, the registry's state is in Redis."""
         while True:
             for child in self.children:
                 rc = child.exited()
                 if rc is None:
                     continue
-                if self.restart_workers and child.is_worker:
+                if self.restart_workers and child.restartable:
                     self._restart_later(child, rc)
                     continue
                 self.echo(f"pdserve up: {child.name} exited with status {rc}; stopping everything. "
@@ -323,11 +340,13 @@ class Ensemble:
             child.start()
 
     def stop(self, timeout_s: float) -> None:
-        """SIGTERM every process group (Redis last, the others may still need it), wait up to
-        ``timeout_s``, SIGKILL whatever is left; reaps every child."""
+        """SIGTERM every process group, in tiers: the router first (its streams drain through the workers), Redis
+        last (the others may still need it); wait up to ``timeout_s`` per tier, SIGKILL whatever is left; reaps
+        every child."""
+        router = [c for c in self.children if c.name == "router"]
         redis = [c for c in self.children if c.name == "redis"]
-        others = [c for c in self.children if c.name != "redis"]
-        for tier in (others, redis):
+        others = [c for c in self.children if c not in router and c not in redis]
+        for tier in (router, others, redis):
             for child in tier:
                 if child.exited() is None:
                     child.signal_group(signal.SIGTERM)
@@ -348,6 +367,20 @@ class Ensemble:
 RESTART_RESET_S = 60.0  # a worker up this long has its restart back-off reset
 
 
+def check_model(model: str | None) -> None:
+    """The model exists (a known name, a local directory or a .gguf file), before anything starts: one clear line,
+    not a worker's traceback after Redis and the registry are up. Converts the default model on first use."""
+    from pdserve.shared.models.resolve import DEFAULT_MODEL, cache_dir, resolve_model
+
+    name = model or os.environ.get("PDSERVE_MODEL") or DEFAULT_MODEL
+    if name == DEFAULT_MODEL and not (cache_dir() / "models" / name / "config.json").exists():
+        click.echo(f"pdserve up: converting {name} to safetensors once (0.5 to 3 minutes, by CPU load)")
+    try:
+        resolve_model(name)
+    except FileNotFoundError as e:
+        raise click.ClickException(f"--model: {e}") from None
+
+
 def run(opts: UpOptions) -> int:
     """Runs the ensemble until a signal or a child's death; returns the exit status."""
     if opts.router and not port_is_free(opts.host, opts.port):
@@ -359,6 +392,7 @@ def run(opts: UpOptions) -> int:
             redis.Redis.from_url(external, socket_timeout=2, socket_connect_timeout=2).ping()
         except redis.RedisError as e:
             raise click.ClickException(f"cannot reach Redis at {external}: {e}") from None
+    check_model(opts.model)
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-")) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     children = plan(opts, log_dir)
@@ -387,7 +421,12 @@ def run(opts: UpOptions) -> int:
         token_note = ("bearer token: $PDSERVE_REGISTRY_TOKEN" if os.environ.get("PDSERVE_REGISTRY_TOKEN") else
                       "bearer token generated for this run; set PDSERVE_REGISTRY_TOKEN to choose it")
         click.echo(f"  registry   {registry.health_url.removesuffix('/health')}  ({token_note})")
-        click.echo(f"  redis      {redis_url}")
+        if external is not None:
+            click.echo(f"  redis      {redact_url(redis_url)}")
+        else:
+            password_note = ("password: $PDSERVE_REDIS_PASSWORD" if os.environ.get("PDSERVE_REDIS_PASSWORD") else
+                             "password generated for this run; set PDSERVE_REDIS_PASSWORD to choose it")
+            click.echo(f"  redis      {redact_url(redis_url).replace(':***@', '')}  ({password_note})")
         for child in children:
             if child.is_worker and child.health_url:
                 click.echo(f"  {child.name:<10} {child.health_url.removesuffix('/health')}  (/health, /metrics, /v1/stats)")
@@ -446,7 +485,7 @@ def run(opts: UpOptions) -> int:
 @click.option("--stop-timeout-s", type=float, default=10.0, show_default=True,
               help="Grace period between SIGTERM and SIGKILL.")
 @click.option("--restart-workers/--no-restart-workers", default=True, show_default=True,
-              help="Start a prefill or decode worker that exits again (back-off 1..30 s); off: its exit stops all.")
+              help="Start a child (all but Redis) that exits again (back-off 1..30 s); off: its exit stops all.")
 def command(**flags) -> None:
     """Start Redis, registry, router, prefill and decode workers locally; Ctrl-C stops them all."""
     engine = {}

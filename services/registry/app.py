@@ -23,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.services.registry.kv_index import BlockIndex
+from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.kv_events import KVEventBatch, KVEventsReply, KVLookup, KVLookupReply, KVSnapshot, PodOverlap
 from pdserve.shared.protocol.registry import ROLES, TOKEN_ENV, PodInfo, Role, check_token
 from pdserve.services.registry.settings import RegistrySettings
@@ -130,7 +131,7 @@ def create_app(settings: RegistrySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        log.info("registry: redis %s, pod TTL %.1f s", settings.redis_url, settings.pod_ttl_s)
+        log.info("registry: redis %s, pod TTL %.1f s", keys.redact_url(settings.redis_url), settings.pod_ttl_s)
         if token is None:
             log.warning("registry: UNAUTHENTICATED (%s unset): anyone who can reach this port can register or "
                         "remove pods and ask which prompts are cached; set a token outside local development",

@@ -18,7 +18,7 @@ import pytest
 import redis
 from support.redis_server import free_port
 
-from pdserve.services.up import UpOptions, plan
+from pdserve.services.up import Child, UpOptions, _Stop, plan
 from pdserve.shared.protocol.registry import PodInfo
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -31,7 +31,7 @@ class Up:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         environ = {k: v for k, v in os.environ.items()
-                   if k not in ("REDIS_URL", "PDSERVE_REDIS_URL", "PDSERVE_REGISTRY_TOKEN")}
+                   if k not in ("REDIS_URL", "PDSERVE_REDIS_URL", "PDSERVE_REGISTRY_TOKEN", "PDSERVE_REDIS_PASSWORD")}
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", "up", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**environ, **(env or {})})
@@ -89,11 +89,23 @@ def test_up_starts_redis_and_registry_and_sigterm_leaves_no_process(tmp_path):
         m = up.wait_for(r"^  registry +(http://\S+)  \((.*)\)$")
         registry = m.group(1)
         assert m.group(2) == "bearer token: $PDSERVE_REGISTRY_TOKEN"
-        redis_url = up.wait_for(r"^  redis +(redis://\S+)").group(1)
+        m = up.wait_for(r"^  redis +(redis://\S+)  \((.*)\)$")
+        redis_url = m.group(1)
+        assert m.group(2) == "password generated for this run; set PDSERVE_REDIS_PASSWORD to choose it"
         up.wait_for("Press Ctrl-C to stop")
         children = descendants(up.proc.pid)
         names = sorted(role_of(p) for p in children)
         assert names == ["redis-server", "registry"], [p.cmdline() for p in children]
+        # up's Redis wants a password: generated, handed to every child in its URL, never printed or in argv
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(redis_url).ping()
+        (registry_proc,) = [p for p in children if role_of(p) == "registry"]
+        child_url = registry_proc.environ()["PDSERVE_REDIS_URL"]
+        password = child_url.split("@")[0].rsplit(":", 1)[1]
+        assert len(password) == 64 and child_url == redis_url.replace("redis://", f"redis://:{password}@")
+        assert password not in "\n".join(up.output)
+        assert not any(password in " ".join(p.cmdline()) for p in children)
+        redis_url = child_url
         assert httpx.get(f"{registry}/health").json() == {"status": "ok"}
         info = PodInfo(pod_id="decode-0", role="decode", host="127.0.0.1", http_port=1, model="m")
         assert httpx.post(f"{registry}/v1/pods", json=info.model_dump(mode="json")).status_code == 401
@@ -103,7 +115,23 @@ def test_up_starts_redis_and_registry_and_sigterm_leaves_no_process(tmp_path):
         assert r.exists("pdserve:registry:pod:decode-0") == 1  # the registry really uses that Redis
         r.close()
         assert (tmp_path / "logs" / "registry.log").exists()
-        assert TOKEN not in (tmp_path / "logs" / "registry.log").read_text() and TOKEN not in "\n".join(up.output)
+        registry_log = (tmp_path / "logs" / "registry.log").read_text()
+        assert TOKEN not in registry_log and TOKEN not in "\n".join(up.output) and password not in registry_log
+
+        # the registry dies: up starts it again (its state is in Redis) instead of stopping everything
+        registry_proc.kill()
+        up.wait_for(r"pdserve up: registry exited with status -9; restarting it in 1 s")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{registry}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        pods = httpx.get(f"{registry}/v1/pods", headers={"Authorization": f"Bearer {TOKEN}"}).json()["pods"]
+        assert [p["pod_id"] for p in pods] == ["decode-0"]  # kept in Redis across the restart
+        children = descendants(up.proc.pid)
 
         up.proc.send_signal(signal.SIGTERM)
         out = up.finish()
@@ -169,6 +197,52 @@ def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
         assert out.endswith("pdserve up: all processes stopped") and up.proc.returncode == 0
         # --follow-logs: the registry's own log lines, prefixed
         assert "[registry] " in out and "pdserve.registry: registry: redis " + redis_server.url in out
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+def test_a_model_typo_is_one_line_and_starts_nothing(tmp_path):
+    up = Up("--model", "smollm2-135m-instruc", "--log-dir", str(tmp_path / "logs"))
+    out = up.finish()
+    assert up.proc.returncode == 1
+    assert out == ("Error: --model: model 'smollm2-135m-instruc' is neither a known name (smollm2-135m-instruct), "
+                   "a local Hugging Face model directory, nor a .gguf file")
+    assert not (tmp_path / "logs").exists()  # not even Redis was started
+
+
+def test_a_stop_signal_is_not_swallowed_by_a_hanging_health_probe(tmp_path):
+    """Ctrl-C while the start-up probe waits on a child that accepts but does not answer yet (a loading worker)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        child = Child("decode-0", [], {}, tmp_path / "log", health_url=f"http://127.0.0.1:{silent.getsockname()[1]}/health")
+
+        def stop(signum, frame):
+            raise _Stop(signum)
+
+        previous = signal.signal(signal.SIGALRM, stop)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            with pytest.raises(_Stop):
+                child.ready()  # the probe's own `except Exception` must let it through
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.slow
+def test_one_ctrl_c_during_startup_stops_everything_cleanly(tmp_path):
+    up = Up("--prefill", "0", "--decode", "1", "--no-router", "--log-dir", str(tmp_path / "logs"))
+    try:
+        up.wait_for(r"^  registry +ready")
+        children = descendants(up.proc.pid)
+        up.proc.send_signal(signal.SIGINT)  # while the decode worker loads the model
+        out = up.finish(timeout_s=60)
+        assert up.proc.returncode == 0, out
+        assert "pdserve up: SIGINT: stopping" in out and out.endswith("pdserve up: all processes stopped")
+        assert "startup failed" not in out and "Traceback" not in out
+        assert all_gone(children)
     finally:
         if up.proc.poll() is None:
             up.proc.kill()

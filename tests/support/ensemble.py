@@ -33,6 +33,7 @@ class Ensemble:
         self.router_url = self.registry_url = self.redis_url = ""
         self.registry_token = secrets.token_hex(16)
         self.registry_headers = {"Authorization": f"Bearer {self.registry_token}"}
+        self.redis_password = secrets.token_hex(16)  # up's Redis requires one; chosen here to reach it
 
     def __enter__(self) -> Ensemble:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -41,7 +42,8 @@ class Ensemble:
             [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(self.port), "--log-dir",
              str(self.log_dir), *self.args],
             stdout=self._out, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_REGISTRY_TOKEN": self.registry_token, **self.env},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_REGISTRY_TOKEN": self.registry_token,
+                 "PDSERVE_REDIS_PASSWORD": self.redis_password, **self.env},
         )
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
@@ -49,7 +51,8 @@ class Ensemble:
             if "Press Ctrl-C to stop." in text:
                 self.router_url = f"http://127.0.0.1:{self.port}"
                 self.registry_url = re.search(r"registry\s+(http://\S+)", text).group(1)
-                self.redis_url = re.search(r"redis\s+(redis://\S+)", text).group(1)
+                self.redis_url = re.search(r"redis\s+(redis://\S+)", text).group(1).replace(
+                    "redis://", f"redis://:{self.redis_password}@", 1)
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"pdserve up exited {self.proc.returncode}:\n{text}")
