@@ -57,7 +57,10 @@ def test_workers_get_the_engine_settings_and_their_identity(gpu_docs, monkeypatc
     assert s.advertise_host == "10.1.2.3" and s.pod_id == f"{FULL}-{tier}-abc12"
     assert s.port == {"prefill": 8002, "decode": 8003}[tier]
     assert s.kv_transfer_secret == "s3"
-    assert s.redis_url == f"redis://{FULL}-redis:6379/0" and s.registry_url == f"http://{FULL}-registry:8001"
+    # the in-chart Redis wants a password by default: generated (48 characters), from the chart's Secret
+    password = s.redis_url.removeprefix("redis://:").removesuffix(f"@{FULL}-redis:6379/0")
+    assert len(password) == 48 and s.redis_url == f"redis://:{password}@{FULL}-redis:6379/0"
+    assert s.registry_url == f"http://{FULL}-registry:8001"
 
 
 def test_router_gets_keys_model_name_and_routing(gpu_docs, monkeypatch):

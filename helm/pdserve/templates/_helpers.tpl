@@ -143,6 +143,8 @@ A pdserve Deployment. Call with a dict:
   cfg        the tier's values (.Values.<component>)
   ports      list of (dict "name" "containerPort")
   env        extra EnvVar list for this tier (already a list of dicts)
+  secretChecksum  (optional) a digest of the chart-managed secret values the tier reads: pods roll when it changes
+  lifecycle  (optional) the container's lifecycle hooks
   serviceAccountName
 */}}
 {{- define "pdserve.deployment" -}}
@@ -177,6 +179,10 @@ spec:
       annotations:
         # Roll the pods when the configuration they read changes.
         checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+        {{- with .secretChecksum }}
+        # ...and when the chart-managed secrets they read change (an API key rotated with helm upgrade).
+        checksum/secrets: {{ . }}
+        {{- end }}
         {{- with $cfg.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -261,6 +267,10 @@ spec:
             timeoutSeconds: {{ $root.Values.probes.liveness.timeoutSeconds }}
           resources:
             {{- toYaml ($cfg.resources | default dict) | nindent 12 }}
+          {{- with .lifecycle }}
+          lifecycle:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
           volumeMounts:
             - name: tmp
               mountPath: /tmp
