@@ -24,6 +24,7 @@ import time
 
 import click
 import torch
+from tqdm.auto import tqdm
 
 MODEL = "smollm2-135m-instruct"
 ENGINE_MAX_MODEL_LEN = 1024
@@ -50,7 +51,7 @@ def run_pdserve(prompts, outputs, dtype, kv_tokens: int) -> dict:
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     llm.llm_engine.stats.update(peak_kv_blocks_used=0, peak_kv_tokens_live=0, peak_num_running=0)
     start = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=True)
+    results = llm.generate(prompts, params, use_tqdm=True)  # LLM's own bar: requests done
     elapsed = time.perf_counter() - start
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     assert tokens == sum(outputs), "pdserve did not produce the requested number of tokens"
@@ -66,7 +67,7 @@ def run_hf_static(prompts, outputs, dtype, batch_size: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(resolve_model(MODEL), dtype=getattr(torch, dtype)).eval()
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
     start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
+    for i in tqdm(range(0, len(prompts), batch_size), desc=f"hf-static {dtype}", unit="batch"):
         batch, outs = prompts[i : i + batch_size], outputs[i : i + batch_size]
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
@@ -91,7 +92,7 @@ def run_hf_continuous(prompts, outputs, dtype) -> dict:
         for p, o in zip(prompts, outputs):
             manager.add_request(p, max_new_tokens=o)
         tokens = 0
-        for _ in prompts:
+        for _ in tqdm(prompts, desc=f"hf-continuous {dtype}", unit="req"):
             result = manager.get_result(timeout=600)
             tokens += len(result.generated_tokens)
         elapsed = time.perf_counter() - start
@@ -117,15 +118,23 @@ def main(num_requests, seed, dtypes, hf_batch_size, kv_budget_tokens, skip, json
     whole = sum(-(-(len(p) + o) // 16) * 16 for p, o in zip(prompts, outputs))
     rows = []
     fit = None
+    systems = ["pdserve"] + [s for s in ("hf-static", "hf-continuous") if s not in skip]
+    click.echo(f"offline throughput: {num_requests} requests (prompts 16-256, outputs 8-128 tokens, "
+               f"{sum(outputs)} output tokens), systems {', '.join(systems)} x dtypes {dtypes}, one after another; "
+               f"pdserve runs twice for its first dtype (the second measures the KV fit). Minutes on 2 cores.")
     for dtype in dtypes.split(","):
+        click.echo(f"[{dtype}] pdserve (model load and warm-up first)")
         pd = run_pdserve(prompts, outputs, dtype, whole)
         if fit is None:  # the fit is a property of the scheduler and the workload, not of the dtype
+            click.echo(f"[{dtype}] pdserve, KV budget {kv_budget_tokens} tokens (the fit measurement)")
             fit = run_pdserve(prompts, outputs, dtype, kv_budget_tokens)["stats"]
         row = {"dtype": dtype, "pdserve_tok_s": pd["output_tokens"] / pd["seconds"], "pdserve_s": pd["seconds"]}
         if "hf-static" not in skip:
+            click.echo(f"[{dtype}] HF transformers, static batches of {hf_batch_size}")
             hs = run_hf_static(prompts, outputs, dtype, hf_batch_size)
             row["hf_static_tok_s"] = hs["output_tokens"] / hs["seconds"]
         if "hf-continuous" not in skip:
+            click.echo(f"[{dtype}] HF transformers, continuous batching")
             hc = run_hf_continuous(prompts, outputs, dtype)
             row["hf_continuous_tok_s"] = hc["output_tokens"] / hc["seconds"]
         s = pd["stats"]
