@@ -29,6 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import click
 
@@ -188,11 +189,11 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
         port = free_port()
         # Even on loopback: any local process could otherwise read prompts and outputs off the streams.
         password = os.environ.get("PDSERVE_REDIS_PASSWORD") or secrets.token_hex(32)
-        redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+        redis_url = f"redis://:{quote(password, safe='')}@127.0.0.1:{port}/0"
         data = log_dir / "redis-data"
         data.mkdir(parents=True, exist_ok=True)
         conf = log_dir / "redis.conf"  # the password in a 0600 file, not on the command line `ps` shows
-        conf.write_text(f"requirepass {password}\n")
+        conf.write_text('requirepass "{}"\n'.format(password.replace("\\", "\\\\").replace('"', '\\"')))
         conf.chmod(0o600)
         children.append(Child(
             "redis", [redis_executable(), str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
