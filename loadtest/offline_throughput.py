@@ -45,7 +45,7 @@ def run_pdserve(prompts, outputs, dtype, kv_tokens: int) -> dict:
 
     args = {"dtype": dtype, "max_num_seqs": 256, "max_num_batched_tokens": 2048,
             "max_model_len": ENGINE_MAX_MODEL_LEN,
-            "num_kv_blocks": kv_tokens // 16 + 1}
+            "num_kv_blocks": max(kv_tokens, ENGINE_MAX_MODEL_LEN) // 16 + 1}  # the engine needs one max_model_len
     llm = LLM(MODEL, **args)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
