@@ -238,7 +238,7 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
     return children
 
 
-class _Stop(BaseException):  # not an Exception: no ``except Exception`` (a health probe) may swallow it
+class _Stop(BaseException):  # not an Exception: no ``except Exception`` may swallow it
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
 
@@ -259,6 +259,16 @@ class Ensemble:
         self._restarts: dict[str, int] = {}  # worker -> restarts in a row (reset after RESTART_RESET_S up)
         self._restart_at: dict[str, float] = {}  # worker -> when to start it again (monotonic)
         self._started: dict[str, float] = {}
+        # Set by the signal handler, acted on by the loops: an exception raised from a handler is lost when the
+        # signal lands in a finalizer or a library's ``except Exception`` (a health probe), and Ctrl-C was ignored
+        self.stop_requested: int | None = None
+
+    def request_stop(self, signum: int) -> None:
+        self.stop_requested = signum
+
+    def _check_stop(self) -> None:
+        if self.stop_requested is not None:
+            raise _Stop(self.stop_requested)
 
     def pump_logs(self) -> None:
         if not self.follow_logs:
@@ -283,6 +293,7 @@ class Ensemble:
         deadline = time.monotonic() + timeout_s
         for group in ([c for c in first if c.name == "redis"], [c for c in first if c.name == "registry"], rest):
             for child in group:
+                self._check_stop()
                 child.start()
             self._wait_ready(group, deadline, timeout_s)
 
@@ -290,6 +301,7 @@ class Ensemble:
         pending = list(group)
         while pending:
             for child in list(pending):
+                self._check_stop()
                 rc = child.exited()
                 if rc is not None:
                     raise StartupError(f"{child.name} exited with status {rc} during startup. "
@@ -311,6 +323,7 @@ class Ensemble:
         id and ports; back-off 1, 2, 4 .. 30 s, reset after ``RESTART_RESET_S`` up): the router migrates what
         a worker held meanwhile, the registry's state is in Redis."""
         while True:
+            self._check_stop()
             for child in self.children:
                 rc = child.exited()
                 if rc is None:
@@ -403,7 +416,8 @@ def run(opts: UpOptions) -> int:
     def on_signal(signum: int, frame: object) -> None:
         if not state["stopping"]:
             state["stopping"] = True
-            raise _Stop(signum)
+            ensemble.request_stop(signum)  # the loops stop within one probe (at most 2 s)
+            return
         # A second Ctrl-C while stopping: no more grace.
         for child in children:
             child.signal_group(signal.SIGKILL)
