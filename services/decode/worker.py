@@ -79,11 +79,19 @@ class DecodeReceiver:
         if msg.request_id in w.handed_over:
             logger.info("request %s was already handed over to this pod; refusing it again", msg.request_id)
             return ReserveReply(ok=False, duplicate=True, error="request was already handed over to this pod")
-        result = await w.engine_thread.acall(w.engine.reserve, msg.request_id, msg.prompt_token_ids, msg.cache_salt)
+        result = await w.engine_thread.acall(self._reserve_if_room, msg.request_id, msg.prompt_token_ids, msg.cache_salt)
         if result is None:
-            return ReserveReply(ok=False, error="no free KV blocks on this decode pod right now")
+            return ReserveReply(ok=False, full=True, error="no free KV blocks on this decode pod right now")
         _, num_cached = result
         return ReserveReply(ok=True, num_cached_blocks=num_cached)
+
+    def _reserve_if_room(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None):
+        """``engine.reserve`` (engine thread), but none while requests already here wait for blocks (preempted, or
+        not scheduled yet): they go first, and a reservation taking blocks they need would only preempt more."""
+        engine = self.worker.engine
+        if engine.scheduler.num_waiting:
+            return None
+        return engine.reserve(request_id, prompt_token_ids, cache_salt)
 
     async def receive_blocks(self, request_id: str, first_block_index: int, blocks) -> None:
         w = self.worker

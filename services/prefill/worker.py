@@ -36,8 +36,18 @@ class PrefillSettings(WorkerSettings):
     max_inflight: int = 64
     # an entry idle this long in another consumer's pending list is taken over (that consumer died)
     claim_idle_s: float = 60.0
-    # a decode pod with no free blocks is asked again for this long before the request fails
-    reserve_retry_s: float = 10.0
+    # A decode pod with no free KV blocks: the finished prefill waits here (its KV exported, this pod's own blocks
+    # freed) in a first-come-first-served line per decode pod for up to this long, then fails with 503 (s; below the router's --request-timeout-s).
+    kv_wait_timeout_s: float = 480.0
+    # The longest a decode pod may take to accept and answer the KV-transfer handshake, or to answer any frame;
+    # past it the pod counts as unreachable (s).
+    kv_transfer_timeout_s: float = 20.0
+    # How long routers avoid a decode pod whose KV transfer timed out or broke (unless a transfer to it succeeds
+    # again first) (s).
+    kv_unreachable_cooldown_s: float = 30.0
+    # Prefilled KV held here while waiting for decode pods, in bytes: past it no new queue entry is taken (0 = no
+    # cap beyond max_inflight).
+    max_waiting_kv_bytes: int = 4 << 30
 
 
 class PrefillWorker(Worker):
@@ -54,6 +64,11 @@ class PrefillWorker(Worker):
         self._client_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._slots = asyncio.Semaphore(settings.max_inflight)
         self.transfers: set[asyncio.Task] = set()
+        # decode pod (host, port) -> FIFO line of finished prefills waiting for its free KV blocks
+        self._kv_lines: dict[tuple[str, int], asyncio.Lock] = {}
+        self._kv_waiting: dict[str, asyncio.Task] = {}  # request id -> its transfer, while it waits for blocks
+        self._kv_down: dict[tuple[str, int], tuple[float, str]] = {}  # last failed connect: (monotonic, why)
+        self.waiting_kv_bytes = 0  # exported KV of transfers not finished yet
 
     async def start_role(self) -> None:
         try:
@@ -70,6 +85,11 @@ class PrefillWorker(Worker):
             await client.close()
         await super().stop()
 
+    def worker_stats(self) -> dict:
+        stats = super().worker_stats()
+        stats.update(kv_waiting_requests=len(self._kv_waiting), kv_waiting_bytes=self.waiting_kv_bytes)
+        return stats
+
     def queued_prefill_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for _, r in self.inflight.values())
 
@@ -78,6 +98,11 @@ class PrefillWorker(Worker):
         while True:
             await self._slots.acquire()
             self._slots.release()
+            # Finished prefills waiting for a full decode pod hold their KV here: past the cap, take no more
+            # prompts (they wait in the queue, where another prefill pod may take them) instead of growing.
+            cap = self.settings.max_waiting_kv_bytes
+            while cap and self.waiting_kv_bytes > cap:
+                await asyncio.sleep(0.1)
             free = self._slots._value  # noqa: SLF001 — how many entries we may take now
             try:
                 entries = await self.redis.xreadgroup(keys.PREFILL_GROUP, self.settings.pod_id,
@@ -201,6 +226,9 @@ class PrefillWorker(Worker):
 
     async def abort(self, request_id: str) -> None:
         await super().abort(request_id)
+        waiting = self._kv_waiting.pop(request_id, None)
+        if waiting is not None:  # it holds no reservation yet: just leave the line
+            waiting.cancel()
         entry = self.inflight.get(request_id)
         if entry is not None:
             self._forget(request_id)
@@ -236,27 +264,91 @@ class PrefillWorker(Worker):
     async def _client(self, host: str, port: int) -> KVTransferClient:
         key = (host, port)
         lock = self._client_locks.setdefault(key, asyncio.Lock())
+        asked = time.monotonic()
         async with lock:
+            down = self._kv_down.get(key)
+            if down is not None and down[0] >= asked:  # it failed while we waited for the lock: do not wait again
+                raise KVTransferError(down[1], timed_out=True)
             client = self.clients.get(key)
             if client is None or not client.connected:
-                client = KVTransferClient(host, port, self.kv_layout(), self.settings.kv_transfer_secret)
-                await client.connect()
+                t = self.settings.kv_transfer_timeout_s
+                client = KVTransferClient(host, port, self.kv_layout(), self.settings.kv_transfer_secret,
+                                          connect_timeout_s=t, request_timeout_s=t)
+                try:
+                    await client.connect()
+                except (KVTransferError, OSError) as exc:
+                    self._kv_down[key] = (time.monotonic(), describe(exc))
+                    raise
+                self._kv_down.pop(key, None)
                 self.clients[key] = client
             return client
+
+    async def _reserve(self, client: KVTransferClient, req: PrefillRequest, msg: Reserve):
+        """The decode pod's reservation. While it is full, wait in this pod's first-come-first-served line for
+        it (only the line's head asks again, backing off to 1 s) for up to ``kv_wait_timeout_s``; then 503."""
+        key = (req.decode_host, req.decode_kv_port)
+        line = self._kv_lines.setdefault(key, asyncio.Lock())
+        if not line.locked():
+            reply = await client.reserve(msg)
+            if not reply.full:
+                return reply
+        rid, timeout = req.request_id, self.settings.kv_wait_timeout_s
+        started = time.monotonic()
+        self._kv_waiting[rid] = asyncio.current_task()
+        logger.info("decode pod %s has no free KV blocks for request %s: waiting (up to %g s)",
+                    req.decode_pod_id, rid, timeout)
+        try:
+            try:
+                await asyncio.wait_for(line.acquire(), timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+            else:
+                try:
+                    pause = 0.05
+                    while True:
+                        reply = await client.reserve(msg)
+                        if not reply.full:
+                            logger.info("request %s got its KV blocks on %s after waiting %.1f s", rid,
+                                        req.decode_pod_id, time.monotonic() - started)
+                            return reply
+                        if time.monotonic() - started + pause > timeout:
+                            break
+                        await asyncio.sleep(pause)
+                        pause = min(2 * pause, 1.0)
+                finally:
+                    line.release()
+            raise KVTransferError(f"decode pod {req.decode_pod_id} had no free KV blocks for {timeout:g} s "
+                                  f"(--kv-wait-timeout-s)")
+        finally:
+            self._kv_waiting.pop(rid, None)
+
+    async def _mark(self, req: PrefillRequest, why: str | None) -> None:
+        """Tell routers the decode pod's KV port failed (``why``), or works again (None)."""
+        try:
+            if why is None:
+                await self.redis.hdel(keys.KV_UNREACHABLE, req.decode_pod_id)
+                return
+            cooldown = self.settings.kv_unreachable_cooldown_s
+            logger.warning("decode pod %s (%s:%d) is unreachable for KV transfer (%s): routers avoid it for %g s",
+                           req.decode_pod_id, req.decode_host, req.decode_kv_port, why, cooldown)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(keys.KV_UNREACHABLE, req.decode_pod_id, time.time() + cooldown)
+                pipe.expire(keys.KV_UNREACHABLE, max(1, int(cooldown) + 1))
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            logger.warning("marking decode pod %s failed: %s", req.decode_pod_id, exc)
 
     async def _transfer(self, msg_id, req: PrefillRequest, out, block_hashes, kv) -> None:
         rid = req.request_id
         first_token = out.outputs[0].token_ids[-1]  # after any resumed output
         started = time.perf_counter()
+        held = kv.numel() * kv.element_size()
+        self.waiting_kv_bytes += held
         try:
             client = await self._client(req.decode_host, req.decode_kv_port)
-            deadline = time.monotonic() + self.settings.reserve_retry_s
             kv_tokens = req.prompt_token_ids + req.output_token_ids  # a resumed request's output has KV too
-            while True:
-                reply = await client.reserve(Reserve(rid, kv_tokens, len(kv_tokens), block_hashes, req.cache_salt))
-                if reply.ok or reply.duplicate or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.05)
+            reply = await self._reserve(client, req, Reserve(rid, kv_tokens, len(kv_tokens), block_hashes,
+                                                             req.cache_salt))
             if reply.duplicate:  # a worker that died before its XACK handed it over already: done
                 logger.info("request %s is already on decode pod %s; acknowledging the redelivered entry",
                             rid, req.decode_pod_id)
@@ -279,11 +371,24 @@ class PrefillWorker(Worker):
             self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
             self._forget(rid)
             await self._ack(msg_id)
-        except asyncio.CancelledError:
+            await self._mark(req, None)
+        except asyncio.CancelledError:  # abort() while it waited in line, or stop()
             raise
         except (KVTransferError, HandshakeError, OSError, asyncio.TimeoutError) as exc:
             self._forget(rid)
             if await self.is_aborted(rid):
                 await self._ack(msg_id)
                 return
-            await self._fail(msg_id, rid, f"KV transfer to the decode pod failed: {exc}", 503, "ServiceUnavailableError")
+            why = describe(exc)
+            if isinstance(exc, OSError) or getattr(exc, "unreachable", False):
+                # the router moves the request to another decode pod when it sees this mark (503 + marked pod)
+                await self._mark(req, why)
+            await self._fail(msg_id, rid, f"KV transfer to decode pod {req.decode_pod_id} failed: {why}", 503,
+                             "ServiceUnavailableError")
+        finally:
+            self.waiting_kv_bytes -= held
+
+
+def describe(exc: BaseException) -> str:
+    """The exception's message, or its repr when the message is empty (``TimeoutError()`` says nothing)."""
+    return str(exc) or repr(exc)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from pdserve.shared.engine.block_hash import compute_block_hashes
 from pdserve.shared.protocol import keys
@@ -119,6 +119,38 @@ class Dispatcher:
         self._cache: dict[str, tuple[float, list[Any]]] = {}
         self._asking: dict[str, asyncio.Future] = {}  # role -> the registry call in flight for it
         self._groups: set[str] = set()
+        self._marks: tuple[float, dict[str, float]] = (-1e9, {})
+
+    async def unreachable(self, fresh: bool = False) -> dict[str, float]:
+        """Decode pods a prefill pod found unreachable for KV transfer (pod id -> unix time the mark ends), read
+        from Redis at most every ``cache_s`` (``fresh``: now); Redis unreachable: none (placing the request then
+        answers)."""
+        now = time.monotonic()
+        if self.redis is None or (not fresh and now - self._marks[0] < self.cache_s):
+            return self._marks[1]
+        try:
+            raw = await self.redis.hgetall(keys.KV_UNREACHABLE)
+        except (RedisError, OSError) as exc:
+            logger.warning("reading the unreachable decode pods failed: %s", exc)
+            raw = {}
+        wall = time.time()
+        marks = {}
+        for pod_id, until in (raw or {}).items():
+            pod_id = pod_id.decode() if isinstance(pod_id, bytes) else str(pod_id)
+            try:
+                if float(until) > wall:
+                    marks[pod_id] = float(until)
+            except ValueError:
+                continue
+        self._marks = (now, marks)
+        return marks
+
+    async def _reachable(self, pods: Sequence[Any], pod_of: Any = lambda p: p) -> list[Any]:
+        """``pods`` without those marked unreachable, unless that leaves none (the mark is a preference: a pod
+        that recovered is found by trying it)."""
+        marks = await self.unreachable()
+        kept = [p for p in pods if pod_of(p).pod_id not in marks]
+        return kept or list(pods)
 
     async def pods(self, role: str) -> list[Any]:
         now = time.monotonic()
@@ -180,7 +212,7 @@ class Dispatcher:
         return placement
 
     async def _place_by_load(self, prompt_len: int) -> Placement:
-        decode = await self.pods("decode")
+        decode = await self._reachable(await self.pods("decode"))
         if not decode:
             raise self.unavailable("No decode pod is available; retry later")
         if self.routing.mode == "round_robin":
@@ -208,8 +240,14 @@ class Dispatcher:
             raise self.unavailable("No decode pod is available; retry later")
         # a pod with another block size hashes other blocks: it holds none of this chain
         self.block_size = int(Counter(int(o.pod.block_size) for o in reply.pods).most_common(1)[0][0])
+        listed = await self._reachable(reply.pods, lambda o: o.pod)
         candidates = [Candidate(o.pod, o.overlap if int(o.pod.block_size) == block_size else 0,
-                                pod_load(o.pod, self.in_flight)) for o in reply.pods]
+                                pod_load(o.pod, self.in_flight)) for o in listed]
+        # Prefer pods whose last heartbeat shows room for this prompt's uncached blocks: on a full pod the request
+        # waits for blocks to free up (the prefill pod holds it).
+        room = [c for c in candidates if int(getattr(c.pod, "free_blocks", 0) or 0) > len(hashes) - c.overlap]
+        if room:
+            candidates = room
         choice = choose(len(hashes), candidates, self.routing.load_weight, self.routing.temperature, self.rng)
         best = candidates[choice.index]
         pod, overlap = best.pod, best.overlap

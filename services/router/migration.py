@@ -80,10 +80,18 @@ class Migrator:
             started_at = None
         return not _restarted(route, started_at)  # any answer, 503 included: the process lives
 
+    async def _marked_unreachable(self, pod_id: str) -> bool:
+        """A prefill pod found the pod's KV port unreachable (timed out or broke): its heartbeats may go on, but it
+        cannot take requests, so a worker error moves the request at once (``Dispatcher.unreachable``)."""
+        marks = getattr(self.dispatcher, "unreachable", None)
+        return marks is not None and pod_id in await marks(fresh=True)
+
     async def __call__(self, index: int, route: ChoiceRoute, reason: str) -> bool:
+        unreachable = False
         if reason.startswith("worker error"):
+            unreachable = await self._marked_unreachable(route.pod_id)
             deadline = time.monotonic() + self.pod_gone_wait_s
-            while await self.pod_alive(route):
+            while not unreachable and await self.pod_alive(route):
                 if time.monotonic() > deadline:
                     return False
                 await asyncio.sleep(0.5)
@@ -95,6 +103,9 @@ class Migrator:
         sent = len(route.token_ids)
         ids = list(route.prompt_token_ids) + list(route.token_ids)  # all of it needs KV on the new pod
         placement = await self.dispatcher.place(len(ids), ids, route.cache_salt)  # 503 when no decode pod is left
+        if unreachable and placement.pod.pod_id == route.pod_id:
+            raise OpenAIError(503, f"The decode pod is unreachable and no other decode pod is available "
+                                   f"({reason.removeprefix('worker error: ')})", headers={"Retry-After": "1"})
         route.migrations += 1
         stem = self.job.request_ids[index].split("~m")[0]
         new_id = f"{stem}~m{route.migrations}"

@@ -35,6 +35,10 @@ ORPHAN_AFTER_S = 4.0
 OUTPUT_TTL_S = 60
 ABORTED_TTL_S = 300
 
+# Hash: decode pod id -> unix time until which routers avoid it, set by a prefill pod whose KV transfer to it
+# timed out or lost its connection, deleted by the next transfer that succeeds. The key expires with its newest entry.
+KV_UNREACHABLE = "pdserve:kv_unreachable"
+
 
 def decode_stream(pod_id: str) -> str:
     """The decode pod's own request stream (local prefill)."""

@@ -21,11 +21,17 @@ log = logging.getLogger("pdserve.transport")
 
 
 class KVTransferError(Exception):
-    """A transfer failed: the decode pod rejected it, or the connection broke (``.connection_lost``)."""
+    """A transfer failed: the decode pod rejected it, the connection broke (``.connection_lost``), or the pod
+    did not answer a frame in time (``.timed_out``). Either of the last two means the pod is unreachable."""
 
-    def __init__(self, message: str, connection_lost: bool = False) -> None:
+    def __init__(self, message: str, connection_lost: bool = False, timed_out: bool = False) -> None:
         super().__init__(message)
         self.connection_lost = connection_lost
+        self.timed_out = timed_out
+
+    @property
+    def unreachable(self) -> bool:
+        return self.connection_lost or self.timed_out
 
 
 class KVTransferClient:
@@ -72,14 +78,23 @@ class KVTransferClient:
         return self._writer is not None and self._closed_reason is None
 
     async def connect(self) -> None:
-        """Opens the connection and runs the handshake. Raises ``HandshakeError``, ``OSError`` or
-        ``TimeoutError``."""
-        conn = await asyncio.wait_for(open_frame_connection(self.host, self.port), self.connect_timeout_s)
+        """Opens the connection and runs the handshake, each within ``connect_timeout_s``. Raises
+        ``HandshakeError``, ``OSError``, or :class:`KVTransferError` (``timed_out``) when the peer does not
+        accept or does not answer the handshake in time (a port that accepts and then never answers)."""
+        try:
+            conn = await asyncio.wait_for(open_frame_connection(self.host, self.port), self.connect_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise KVTransferError(f"{self.peer} did not accept a connection within {self.connect_timeout_s:g} s",
+                                  timed_out=True) from None
         reader = writer = conn
         try:
             peer_max = await asyncio.wait_for(
                 client_handshake(reader, writer, self.layout, self._secret, self.limits, self.peer),
                 self.connect_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            writer.close()
+            raise KVTransferError(f"{self.peer} accepted the connection but did not answer the KV-transfer "
+                                  f"handshake within {self.connect_timeout_s:g} s", timed_out=True) from None
         except BaseException:
             writer.close()
             raise
@@ -137,8 +152,8 @@ class KVTransferClient:
                 replies = await asyncio.wait_for(asyncio.gather(*futures), self.request_timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
                 raise KVTransferError(
-                    f"{self.peer} did not acknowledge blocks of {request_id} within {self.request_timeout_s} s"
-                ) from None
+                    f"{self.peer} did not acknowledge blocks of {request_id} within {self.request_timeout_s:g} s",
+                    timed_out=True) from None
         finally:
             for f in futures:
                 if not f.done():
@@ -168,7 +183,8 @@ class KVTransferClient:
         try:
             reply = await asyncio.wait_for(fut, self.request_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
-            raise KVTransferError(f"{self.peer} did not answer {frame.TYPE} within {self.request_timeout_s} s") from None
+            raise KVTransferError(f"{self.peer} did not answer {frame.TYPE} within {self.request_timeout_s:g} s",
+                                  timed_out=True) from None
         return self._expect_type(reply, reply_type)
 
     def _expect_type(self, reply: Frame, reply_type: type):

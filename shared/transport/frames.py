@@ -121,7 +121,8 @@ class Reserve:
 @dataclass(slots=True)
 class ReserveReply:
     """``num_cached_blocks``: leading blocks the decode pod already holds; the sender skips them.
-    ``duplicate``: the pod already took this request over (a queue entry delivered twice); nothing to send."""
+    ``duplicate``: the pod already took this request over (a queue entry delivered twice); nothing to send.
+    ``full``: refused only because the pod's KV blocks are all in use right now; ask again later."""
 
     TYPE: ClassVar[str] = "reserve_reply"
     ok: bool
@@ -130,6 +131,7 @@ class ReserveReply:
     lease_ttl_s: float = 0.0
     error: str | None = None
     duplicate: bool = False
+    full: bool = False
 
 
 @dataclass(slots=True)
