@@ -51,10 +51,12 @@ def offline():
     return LLM(MODEL, dtype="float32")
 
 
-def expected_texts(offline, prompts):
+def expected(offline, prompts) -> list[tuple[str, str]]:
+    """(text, finish_reason) of each prompt's greedy answer from the offline engine."""
     from pdserve import SamplingParams
 
-    return [o.outputs[0].text for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
+    outs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int]) -> dict:
@@ -88,11 +90,11 @@ async def stream_all(url: str, prompts: list[list[int]]) -> list[dict]:
 
 def test_a_full_decode_kv_cache_makes_requests_wait_not_fail(ensemble, offline, prompt_of):
     prompts = [prompt_of(PROMPT_LEN, offset=5 * i) for i in range(12)]
-    want = expected_texts(offline, prompts)
+    want = expected(offline, prompts)
     got = asyncio.run(stream_all(ensemble.router_url, prompts))
     for i, (g, w) in enumerate(zip(got, want)):
         assert g["status"] == 200 and not g["errors"], (i, g)
-        assert g["finish"] == "length" and g["text"] == w, (i, g["text"], w)
+        assert (g["text"], g["finish"]) == w, (i, g, w)
     # the pool really was oversubscribed: requests waited for blocks on the prefill pod
     log = (ensemble.log_dir / "prefill-0.log").read_text()
     assert "has no free KV blocks for request" in log and "got its KV blocks" in log
@@ -150,7 +152,7 @@ def test_a_decode_pod_whose_kv_port_never_answers_is_avoided_and_requests_move(e
     stop = threading.Event()
     info = {"pod_id": "decode-silent", "role": "decode", "host": "127.0.0.1", "http_port": 9, "kv_port": silent.port,
             "model": real["model"], "block_size": real["block_size"], "total_blocks": 10_000, "free_blocks": 10_000,
-            "max_model_len": real.get("max_model_len", 0)}
+            "max_model_len": real.get("max_model_len", 0), "started_at": time.time()}
     beat = threading.Thread(target=register_forever, args=(ensemble, info, stop), daemon=True)
     beat.start()
     try:
@@ -160,11 +162,11 @@ def test_a_decode_pod_whose_kv_port_never_answers_is_avoided_and_requests_move(e
             time.sleep(0.2)
         time.sleep(1.0)  # routers' pod caches see it
         prompts = [prompt_of(PROMPT_LEN, offset=3 + 5 * i) for i in range(5)]
-        want = expected_texts(offline, prompts)
+        want = expected(offline, prompts)
         got = asyncio.run(stream_all(ensemble.router_url, prompts))
         for i, (g, w) in enumerate(zip(got, want)):
             assert g["status"] == 200 and not g["errors"], (i, g)
-            assert g["finish"] == "length" and g["text"] == w, (i, g["text"], w)
+            assert (g["text"], g["finish"]) == w, (i, g, w)
         assert silent.accepted, "the silent pod was never chosen: the test proves nothing"
         log = (ensemble.log_dir / "prefill-0.log").read_text()
         assert "accepted the connection but did not answer the KV-transfer handshake within 3 s" in log, log[-3000:]
@@ -175,7 +177,7 @@ def test_a_decode_pod_whose_kv_port_never_answers_is_avoided_and_requests_move(e
         # marked: the router no longer sends it anything
         tried = len(silent.accepted)
         got = asyncio.run(stream_all(ensemble.router_url, prompts[:3]))
-        assert [g["text"] for g in got] == want[:3] and not any(g["errors"] for g in got), got
+        assert [(g["text"], g["finish"]) for g in got] == want[:3] and not any(g["errors"] for g in got), got
         assert len(silent.accepted) == tried
     finally:
         stop.set()
