@@ -79,7 +79,8 @@ class DecodeReceiver:
         if msg.request_id in w.handed_over:
             logger.info("request %s was already handed over to this pod; refusing it again", msg.request_id)
             return ReserveReply(ok=False, duplicate=True, error="request was already handed over to this pod")
-        result = await w.engine_thread.acall(self._reserve_if_room, msg.request_id, msg.prompt_token_ids, msg.cache_salt)
+        result = await w.engine_thread.acall(self._reserve_if_room, msg.request_id, msg.prompt_token_ids,
+                                             msg.cache_salt)
         if result is None:
             return ReserveReply(ok=False, full=True, error="no free KV blocks on this decode pod right now")
         _, num_cached = result

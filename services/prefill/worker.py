@@ -37,7 +37,8 @@ class PrefillSettings(WorkerSettings):
     # an entry idle this long in another consumer's pending list is taken over (that consumer died)
     claim_idle_s: float = 60.0
     # A decode pod with no free KV blocks: the finished prefill waits here (its KV exported, this pod's own blocks
-    # freed) in a first-come-first-served line per decode pod for up to this long, then fails with 503 (s; below the router's --request-timeout-s).
+    # freed) in a first-come-first-served line per decode pod for up to this long, then fails with 503 (s; keep it
+    # below the router's --request-timeout-s, which ends a request silent for that long).
     kv_wait_timeout_s: float = 480.0
     # The longest a decode pod may take to accept and answer the KV-transfer handshake, or to answer any frame;
     # past it the pod counts as unreachable (s).
