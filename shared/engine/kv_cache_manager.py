@@ -34,9 +34,10 @@ class KVCacheManager:
         """Longest cached prefix of the request's full blocks, and how many tokens it covers.
 
         A prompt that is cached whole still recomputes its last token (its logits are needed), so
-        the hit is at most ``num_tokens - 1`` tokens, rounded down to whole blocks.
+        the hit is at most ``num_tokens - 1`` tokens, rounded down to whole blocks. A request that asks for
+        ``prompt_logprobs`` gets no hit (vLLM's rule): a cached block holds KV, not the logits of its positions.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = request.update_block_hashes(self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

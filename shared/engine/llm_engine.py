@@ -19,7 +19,7 @@ from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from pdserve.shared.engine.kv_cache import KVCache, KVCacheSpec
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
-from pdserve.shared.engine.model_runner import ModelRunner
+from pdserve.shared.engine.model_runner import ModelRunner, PromptLogits
 from pdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pdserve.shared.engine.request import FINISH_REASONS, Request, RequestStatus
 from pdserve.shared.engine.sampler import Sampler, SamplingMetadata
@@ -272,7 +272,9 @@ class LLMEngine:
         for request, n in out.scheduled:
             self.stats["prompt_tokens_computed"] += max(0, min(request.num_computed_tokens + n,
                                                               request.num_prompt_tokens) - request.num_computed_tokens)
-        logits = self.runner.execute_model(out)
+        logits, prompt_logits = self.runner.execute_model(out)
+        for chunk in prompt_logits:
+            self._record_prompt_logprobs(chunk)
         sampling = self.scheduler.update_after_step(out)
         self._track_peaks()
         if not sampling:
@@ -299,6 +301,24 @@ class LLMEngine:
             if group is not None:
                 touched[group.request_id] = group
         return [self._make_output(g) for g in touched.values()]
+
+    def _record_prompt_logprobs(self, chunk: PromptLogits) -> None:
+        """Append ``{token_id: Logprob}`` for each prompt position of ``chunk``: the prompt token (its rank
+        counts the tokens strictly more likely) and the ``prompt_logprobs`` most likely tokens (ranks 1..k)."""
+        request = chunk.request
+        k = request.sampling_params.prompt_logprobs
+        lp = torch.log_softmax(chunk.logits.float(), dim=-1)
+        targets = torch.tensor(request.prompt_token_ids[chunk.first_target:chunk.first_target + lp.shape[0]],
+                               device=lp.device)
+        chosen = lp.gather(1, targets.unsqueeze(1))
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+        for token, value, rank, vals, ids in zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks,
+                                                 top_vals.tolist(), top_ids.tolist()):
+            entry = {token: Logprob(value, rank)}  # the prompt token first, as vLLM orders them
+            for r, (tid, val) in enumerate(zip(ids[:k], vals[:k])):
+                entry.setdefault(tid, Logprob(val, r + 1))
+            request.prompt_logprobs.append(entry)
 
     def _fork(self, parent: Request) -> list[Request]:
         group = self.groups[parent.request_id]
@@ -356,12 +376,16 @@ class LLMEngine:
                 new_text=new_text, new_token_ids=new_ids))
         first = group.members[0]
         done = all(r.is_finished for r in group.members) and len(group.members) == group.params.n
+        prompt_logprobs = first.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) < first.num_prompt_tokens:
+            prompt_logprobs = None  # not computed here (a decode pod's committed request: the prefill pod has them)
         if done:
             self.groups.pop(group.request_id, None)
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outputs, done,
                              num_cached_tokens=max(first.num_cached_tokens, 0),
                              metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
-                                      "num_preemptions": first.num_preemptions})
+                                      "num_preemptions": first.num_preemptions},
+                             prompt_logprobs=prompt_logprobs)
 
     def _track_peaks(self) -> None:
         used = self.kv_manager.num_used_blocks

@@ -40,6 +40,11 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
+    """One request's state after a step (vLLM's ``RequestOutput``). ``prompt_logprobs`` (when the request's
+    ``SamplingParams.prompt_logprobs`` asked, else ``None``): one entry per prompt token, ``None`` for the
+    first, then ``{token_id: Logprob}`` holding the prompt token and the ``k`` most likely tokens at that
+    position (``decoded_token`` is left ``None``)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -47,3 +52,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

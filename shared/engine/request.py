@@ -47,7 +47,7 @@ class Request:
         "request_id", "prompt_token_ids", "all_token_ids", "sampling_params", "arrival_time", "priority",
         "cache_salt", "eos_token_ids", "num_computed_tokens", "status", "block_hashes", "num_cached_tokens",
         "generator", "max_tokens", "stop_reason", "num_preemptions", "parent_id", "index", "prefill_only",
-        "first_token_time", "logprobs", "cumulative_logprob",
+        "first_token_time", "logprobs", "cumulative_logprob", "prompt_logprobs",
     )
 
     def __init__(
@@ -87,6 +87,8 @@ class Request:
         self.first_token_time: float | None = None
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
+        # per prompt position, filled as prefill chunks run; position 0 has no logprob (vLLM's None)
+        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

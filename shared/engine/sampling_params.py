@@ -60,7 +60,9 @@ class SamplingParams:
     ``top_k=-1``, ``top_p=1``, ``min_p=0`` disable those filters; ``temperature=0`` is greedy.
     ``max_tokens=None`` means "up to the model's context length" (the engine resolves it).
     ``logprobs=k`` returns the sampled token's logprob plus the ``k`` most likely alternatives
-    (``0``: only the sampled token). ``stop`` and ``stop_token_ids`` are normalised to lists.
+    (``0``: only the sampled token). ``prompt_logprobs=k``: per prompt position the prompt token's logprob
+    plus the ``k`` most likely tokens there (vLLM's; the first position has none, and such a request reads no
+    prefix-cache hit, so every position is computed). ``stop`` and ``stop_token_ids`` are normalised to lists.
     ``stop`` holds at most ``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_STRING_CHARS`` characters.
     """
 
@@ -79,6 +81,7 @@ class SamplingParams:
     min_tokens: int = 0
     max_tokens: int | None = 16
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -161,6 +164,10 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise _fail("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or null", self.logprobs)
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise _fail("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or null", self.prompt_logprobs)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -128,7 +128,10 @@ class OutputEvent:
     | "abort") or ``error`` ({"message", "type", "code": HTTP status int}); nothing follows it.
     ``stop_reason`` is the stop string or stop token id that ended the request (vLLM's field), ``None`` for EOS
     or length. ``first_token_time`` (unix s, when the first token was sampled) rides on the first event;
-    ``num_cached_tokens`` is the prompt's prefix-cache hit on the prefill side.
+    ``num_cached_tokens`` is the prompt's prefix-cache hit on the prefill side. ``prompt_logprobs`` (requests
+    whose sampling params ask for them; on the event of the pod that computed the prompt, with its first token):
+    per prompt token ``None`` for the first, then ``[[token_id, logprob, rank], ...]``, the prompt token first,
+    then the most likely tokens at that position.
     """
 
     request_id: str
@@ -143,6 +146,7 @@ class OutputEvent:
     stop_reason: str | int | None = None
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[list[list] | None] | None = None
 
     @property
     def finished(self) -> bool:

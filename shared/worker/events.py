@@ -28,7 +28,16 @@ def to_event(out: RequestOutput, num_logprobs: int | None, first: bool) -> Outpu
         stop_reason=c.stop_reason,
         first_token_time=out.metrics.get("first_token_time") if first else None,
         num_cached_tokens=out.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs_wire(out) if first else None,
     )
+
+
+def prompt_logprobs_wire(out: RequestOutput) -> list | None:
+    """``RequestOutput.prompt_logprobs`` in ``OutputEvent``'s form (None when not asked or not computed here)."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else [[t, lp.logprob, lp.rank] for t, lp in entry.items()]
+            for entry in out.prompt_logprobs]
 
 
 def error_event(request_id: str, message: str, code: int, type_: str = "ServiceUnavailableError") -> OutputEvent:

@@ -170,7 +170,7 @@ def test_to_dict_round_trips_through_json_and_msgpack():
     assert set(d) == {
         "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
-        "min_tokens", "max_tokens", "logprobs", "include_stop_str_in_output",
+        "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "include_stop_str_in_output",
         "skip_special_tokens", "spaces_between_special_tokens",
     }
 
