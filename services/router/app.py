@@ -43,8 +43,8 @@ from .errors import OpenAIError
 from .metrics import RouterMetrics
 from .middleware import GuardMiddleware, StatusCounter
 from .tenancy import tenant_cache_salt
-from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, generation_defaults,
-                     requested_max_tokens)
+from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, echo_only, echo_prefixes,
+                     generation_defaults, requested_max_tokens)
 from .prompts import PromptProcessor
 from .migration import Migrator, health_url
 from .relay import ChoiceRoute, OutputRelay, abort_requests
@@ -371,7 +371,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                   include_usage=include_usage,
                                   continuous_usage=bool(req.stream_options
                                                         and req.stream_options.continuous_usage_stats),
-                                  prompt_tokens_details=settings.enable_prompt_tokens_details)
+                                  prompt_tokens_details=settings.enable_prompt_tokens_details,
+                                  echo=echo_prefixes(req, p.prompts, processor.decode), echo_only=echo_only(req),
+                                  num_logprobs=(req.logprobs or 0) if kind != "chat" else 0,
+                                  prompt_logprobs=req.prompt_logprobs)
         job = Job(response_id, request_ids, pods, arrival, builder, queued_tokens=new_tokens, queued=True)
         st.active += 1
         st.queued += 1

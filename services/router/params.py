@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.shared.engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -66,13 +66,16 @@ class RequestPlan:
 # vLLM's extra request fields that change the output and that pdserve does not implement; the schemas keep
 # unknown fields (OpenAI clients send new ones), so these are named to be refused rather than ignored.
 UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                          "use_beam_search", "allowed_token_ids", "bad_words", "prompt_logprobs", "logits_processors")
+                          "use_beam_search", "allowed_token_ids", "bad_words", "logits_processors")
 
 
 def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Rules pydantic cannot express per field; raise a 400 naming the field."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        # vLLM's rule and wording
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     extra = req.model_extra or {}
     for name in UNSUPPORTED_EXTENSIONS:
         if extra.get(name) not in (None, False, [], {}, ""):
@@ -104,17 +107,57 @@ def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
             raise bad_request("continue_final_message cannot be combined with add_generation_prompt "
                               "(set add_generation_prompt to false)", "continue_final_message")
     else:
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
 
 
+def echo_prefixes(req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
+                  decode: Callable[[list[int]], str]) -> list[tuple[str, list[int]]] | None:
+    """What each prompt's choices start with under ``echo`` (``ResponseBuilder``'s ``echo``), None without it.
+
+    Completions: the prompt as sent (token-id prompts decoded) and its token ids. Chat (vLLM's rule): the last
+    message's content when its role is the answer's (``assistant``, or with ``add_generation_prompt`` false the
+    last message's own role), else nothing to echo.
+    """
+    if not req.echo:
+        return None
+    if isinstance(req, ChatCompletionRequest):
+        role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+        last = req.messages[-1]
+        if last.role != role:
+            return None
+        content = last.content if isinstance(last.content, str) or last.content is None else \
+            "\n".join(part.text or "" for part in last.content)  # as prompts.py joins text parts
+        return [(content or "", [])]
+    raw = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else list(req.prompt)
+    return [(text if isinstance(text, str) else decode(ids), ids) for text, ids in zip(raw, prompts)]
+
+
 def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str]:
-    """The caller's token limit and the field it came from."""
+    """The caller's token limit and the field it came from. ``echo`` with ``max_tokens=0`` (scoring the prompt)
+    runs with 1, as vLLM does; the response leaves that token out (``echo_only``)."""
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         return req.max_completion_tokens, "max_completion_tokens"
+    if echo_only(req):
+        return 1, "max_tokens"
     return req.max_tokens, "max_tokens"
+
+
+def echo_only(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """A completions request that scores its prompt and generates nothing (``echo`` and ``max_tokens=0``)."""
+    return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
+
+
+def engine_prompt_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many top tokens the engine computes per prompt position: ``prompt_logprobs``, and for completions
+    with ``echo`` the ``logprobs`` the echoed prompt shows (vLLM's rule), the larger of the two."""
+    wanted = [req.prompt_logprobs]
+    if isinstance(req, CompletionRequest) and req.echo:
+        wanted.append(req.logprobs)
+    wanted = [k for k in wanted if k is not None]
+    return max(wanted) if wanted else None
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
@@ -163,6 +206,7 @@ def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_to
         min_tokens=req.min_tokens,
         max_tokens=max_tokens,
         logprobs=logprobs,
+        prompt_logprobs=engine_prompt_logprobs(req),
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
     )

@@ -5,6 +5,12 @@ streamed chat opens each choice with a ``{"role": "assistant", "content": ""}`` 
 ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk has empty ``choices``
 and the usage. ``usage.prompt_tokens`` counts each prompt once (not once per choice); ``completion_tokens``
 sums the choices.
+
+``echo`` (vLLM's): a completion choice's text (and, with ``logprobs``, its logprobs: the prompt's first token
+has ``null`` for its logprob and top logprobs) starts with the prompt; a chat answer starts with the last
+message's content. ``prompt_logprobs`` (vLLM's extension) is a per-choice list for completions and a
+response-level one for chat: ``null`` for the first prompt token, then ``{token_id: {"logprob", "rank",
+"decoded_token"}}``.
 """
 
 from __future__ import annotations
@@ -48,6 +54,49 @@ def completion_logprobs(token_str: TokenStr, lps: list[TokenLogprob], text_offse
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _keep_top(entry: list[list], k: int) -> list[list]:
+    """A prompt position's ``[[token_id, logprob, rank], ...]`` (the prompt token first) cut to what ``k`` asks:
+    the prompt token and the ``k`` most likely (the engine computed the most any field of the request wants)."""
+    return [item for i, item in enumerate(entry) if i == 0 or item[2] <= k]
+
+
+def echo_logprobs(token_str: TokenStr, prompt_ids: list[int], entries: list[list[list] | None] | None,
+                  k: int) -> dict[str, Any]:
+    """Legacy completions ``logprobs`` of an echoed prompt (vLLM's shape): the first token's logprob and top
+    logprobs are ``null``; ``top_logprobs`` of the others hold the prompt token and the ``k`` most likely.
+    ``text_offset`` counts token lengths from 0."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = 0
+    for i, token_id in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        text = token_str(token_id)
+        tokens.append(text)
+        if entry is None:
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            token_logprobs.append(max(entry[0][1], -9999.0))
+            tops.append({token_str(t): max(v, -9999.0) for t, v, _ in _keep_top(entry, k)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}
+
+
+def prompt_logprobs_body(token_str: TokenStr, entries: list[list[list] | None] | None,
+                         k: int) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token ``null`` (the first) or
+    ``{"<token_id>": {"logprob", "rank", "decoded_token"}}``, the prompt token first."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": max(v, -9999.0), "rank": rank, "decoded_token": token_str(t)}
+             for t, v, rank in _keep_top(entry, k)} for entry in entries]
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's ``usage``; ``cached_tokens`` (prompt tokens served from the prefix cache) adds
     ``prompt_tokens_details`` as OpenAI and vLLM (``--enable-prompt-tokens-details``) report it."""
@@ -72,10 +121,14 @@ class ChoiceState:
     text_len: int = 0
     finished: bool = False
     cached_tokens: int | None = None  # the prompt's prefix-cache hit where it was prefilled (first event)
+    prompt_logprobs: list | None = None  # from the pod that computed the prompt (OutputEvent.prompt_logprobs)
+    echoed: bool = False
 
     def add(self, event: OutputEvent) -> None:
         if self.cached_tokens is None:
             self.cached_tokens = event.num_cached_tokens
+        if self.prompt_logprobs is None and event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs  # a migrated request's second prefill sends them again
         self.text.append(event.text)
         self.text_len += len(event.text)
         self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
@@ -93,7 +146,12 @@ class ResponseBuilder:
     def __init__(self, kind: str, response_id: str, model: str, created: int, token_str: TokenStr,
                  prompt_lens: list[int], n: int, want_logprobs: bool,
                  include_usage: bool = False, continuous_usage: bool = False,
-                 prompt_tokens_details: bool = False) -> None:
+                 prompt_tokens_details: bool = False, echo: list[tuple[str, list[int]]] | None = None,
+                 echo_only: bool = False, num_logprobs: int = 0, prompt_logprobs: int | None = None) -> None:
+        """``echo``: per prompt, the text and token ids each of its choices starts with (completions: the prompt;
+        chat: the last message's content, no ids). ``echo_only``: the request scores its prompt (``max_tokens=0``):
+        the one token generated is left out. ``num_logprobs``: completions' ``logprobs`` (top entries of echoed
+        prompt positions). ``prompt_logprobs``: vLLM's field, when asked."""
         self.kind = kind
         self.id = response_id
         self.model = model
@@ -105,6 +163,10 @@ class ResponseBuilder:
         self.prompt_tokens_details = prompt_tokens_details
         self.n = n
         self.prompt_lens = prompt_lens
+        self.echo = echo
+        self.echo_only = echo_only
+        self.num_logprobs = num_logprobs
+        self.prompt_logprobs = prompt_logprobs
         self.choices = [ChoiceState(index=i, prompt_tokens=prompt_lens[i // n])
                         for i in range(len(prompt_lens) * n)]
 
@@ -137,14 +199,30 @@ class ResponseBuilder:
     def on_event(self, choice_index: int, event: OutputEvent) -> dict[str, Any] | None:
         """Record ``event`` for the choice and return its chunk (None when there is nothing to send)."""
         choice = self.choices[choice_index]
+        if self.echo_only:  # the token generated to finish the request is not part of the answer
+            event.token_ids, event.text, event.logprobs, event.completion_tokens = [], "", None, 0
+            if event.finished and event.error is None:
+                event.finish_reason, event.stop_reason = "length", None
+        echo_lps = None
+        if self.echo is not None and not choice.echoed:  # the first event of the choice carries the echo
+            choice.echoed = True
+            text, ids = self.echo[choice_index // self.n]
+            event.text = text + event.text
+            if self.want_logprobs and self.kind != "chat":
+                echo_lps = echo_logprobs(self.token_str, ids, event.prompt_logprobs, self.num_logprobs)
         offset = choice.text_len
         choice.add(event)
-        if not event.text and not event.finished and not event.logprobs:
+        if not event.text and not event.finished and not event.logprobs and echo_lps is None:
             return None
         logprobs = None
-        if self.want_logprobs and event.logprobs:
-            logprobs = (chat_logprobs(self.token_str, event.logprobs) if self.kind == "chat"
-                        else completion_logprobs(self.token_str, event.logprobs, offset))
+        if self.want_logprobs and (event.logprobs or echo_lps):
+            if self.kind == "chat":
+                logprobs = chat_logprobs(self.token_str, event.logprobs)
+            elif echo_lps is not None:  # one pass of offsets over the prompt and this event's tokens, as vLLM
+                last = echo_lps["text_offset"][-1] + len(echo_lps["tokens"][-1]) if echo_lps["tokens"] else 0
+                logprobs = join_logprobs(echo_lps, completion_logprobs(self.token_str, event.logprobs or [], last))
+            else:
+                logprobs = completion_logprobs(self.token_str, event.logprobs, offset)
         finish = event.finish_reason if event.finished else None
         if event.error is not None:
             finish = "abort"
@@ -171,8 +249,15 @@ class ResponseBuilder:
             text = "".join(c.text)
             logprobs = None
             if self.want_logprobs:
-                logprobs = (chat_logprobs(self.token_str, c.logprobs) if self.kind == "chat"
-                            else completion_logprobs(self.token_str, c.logprobs, 0))
+                if self.kind == "chat":
+                    logprobs = chat_logprobs(self.token_str, c.logprobs)
+                elif self.echo is not None:
+                    echoed = echo_logprobs(self.token_str, self.echo[c.index // self.n][1], c.prompt_logprobs,
+                                           self.num_logprobs)
+                    last = echoed["text_offset"][-1] + len(echoed["tokens"][-1]) if echoed["tokens"] else 0
+                    logprobs = join_logprobs(echoed, completion_logprobs(self.token_str, c.logprobs, last))
+                else:
+                    logprobs = completion_logprobs(self.token_str, c.logprobs, 0)
             if self.kind == "chat":
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
@@ -180,5 +265,12 @@ class ResponseBuilder:
             else:
                 choices.append({"index": c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                if self.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs_body(self.token_str, c.prompt_logprobs,
+                                                                          self.prompt_logprobs)
+        body = {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+        if self.kind == "chat" and self.prompt_logprobs is not None:  # vLLM puts chat's at the response level
+            body["prompt_logprobs"] = prompt_logprobs_body(self.token_str, self.choices[0].prompt_logprobs,
+                                                           self.prompt_logprobs)
+        return body

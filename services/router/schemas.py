@@ -132,6 +132,9 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated form of tools
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's: prepend the last message's content to the answer when that message's role is the answer's
+    echo: StrictBool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 Prompt = Union[StrictStr, list[StrictStr], list[TokenId], list[list[TokenId]]]
@@ -143,6 +146,8 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     suffix: str | None = None
     add_special_tokens: StrictBool = True
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: score the prompt only (with echo)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's extension
 
 
 class TokenizeCompletionRequest(_Body):

@@ -30,7 +30,7 @@ def check(out, ids, want, k):
 
 
 def test_prompt_logprobs_match_hf_chunked_cached_and_preempted(model_dir, prompt_of):
-    ids = prompt_of(70)
+    ids = prompt_of(40)
     want = hf_prompt_logprobs(model_dir, ids)
     llm = LLM("smollm2-135m-instruct", dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
@@ -38,18 +38,18 @@ def test_prompt_logprobs_match_hf_chunked_cached_and_preempted(model_dir, prompt
     check(first, ids, want, 3)
     # the prompt is cached now: a plain request reads it, one asking for prompt logprobs computes it again
     plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2))[0]
-    assert plain.num_cached_tokens == 64 and plain.prompt_logprobs is None
+    assert plain.num_cached_tokens == 32 and plain.prompt_logprobs is None
     second = llm.generate([ids], params)[0]
     assert second.num_cached_tokens == 0
     check(second, ids, want, 3)
     assert second.outputs[0].token_ids == first.outputs[0].token_ids == plain.outputs[0].token_ids
 
     # recompute preemption in the middle: a pool too small for both prompts at once
-    small = LLM("smollm2-135m-instruct", dtype="float32", num_kv_blocks=9, max_num_batched_tokens=16,
-                max_model_len=128)
-    other = prompt_of(70, offset=40)
-    outs = small.generate([ids, other], [SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=3),
-                                         SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=0)])
+    small = LLM("smollm2-135m-instruct", dtype="float32", num_kv_blocks=6, max_num_batched_tokens=16,
+                max_model_len=80)
+    other = prompt_of(40, offset=40)
+    outs = small.generate([ids, other], [SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=3),
+                                         SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=0)])
     assert small.get_stats()["num_preemptions"] > 0
     check(outs[0], ids, want, 3)
     check(outs[1], other, hf_prompt_logprobs(model_dir, other), 0)
