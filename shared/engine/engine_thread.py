@@ -4,6 +4,10 @@ The engine loop is synchronous and owns its thread (STYLE.md); asyncio code talk
 ``call`` (a function run on the engine thread between two steps, its result awaited as a future) and
 receives every step's outputs through ``on_outputs`` (called on the engine thread; hand them over
 with ``loop.call_soon_threadsafe``). The thread sleeps when there is no work and wakes on the next call.
+
+Liveness never waits for the engine: ``stalled_s()`` says how long the loop has gone without finishing an
+iteration (a step, or an idle wait of at most 0.5 s), read without a call into the thread, so a long
+step on a loaded CPU is told from a stuck engine by a bound much longer than any step.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +32,7 @@ class EngineThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
+        self.progress_at = time.monotonic()  # when the loop last finished an iteration (monotonic s)
 
     def start(self) -> None:
         self._thread.start()
@@ -39,6 +45,10 @@ class EngineThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def stalled_s(self) -> float:
+        """Seconds since the engine loop last finished a step or an idle wait (0.0 for a loop that runs)."""
+        return max(0.0, time.monotonic() - self.progress_at)
 
     def call(self, fn: Callable[..., Any], *args, **kwargs) -> concurrent.futures.Future:
         """Run ``fn(*args, **kwargs)`` on the engine thread before its next step."""
@@ -75,6 +85,7 @@ class EngineThread:
                     outputs = self.engine.step()
                     if outputs:
                         self.on_outputs(outputs)
+                self.progress_at = time.monotonic()
         except BaseException as exc:
             self.error = exc
             logger.exception("engine thread died")

@@ -58,6 +58,9 @@ class Worker:
         # the pod name) lost its requests, and the router tells it from the old one by this
         self.started_at = time.time()
         self._outputs: asyncio.Queue = asyncio.Queue()
+        # what a worker loop cannot do right now (loop name -> error), cleared when it succeeds again; /health
+        # answers 503 with them, so an operator sees e.g. a lost consumer group while it lasts
+        self.faults: dict[str, str] = {}
 
     # lifecycle
     async def start(self) -> None:
@@ -72,7 +75,6 @@ class Worker:
             self.tasks.append(self.kv_events.start())
         await self.start_role()
         self.tasks += [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._abort_loop())]
-        self._engine_answered = time.monotonic()
         self.heartbeater = Heartbeater(self.registry, self.pod_info, self.settings.heartbeat_interval_s)
         try:
             await self.heartbeater.beat()  # routable before it reports healthy
@@ -208,19 +210,19 @@ class Worker:
 
     # registry
     async def pod_info(self) -> PodInfo:
-        if self.engine_thread is not None and self.engine_thread.alive:
-            # A long step (a big prefill on a busy CPU) must not hold the heartbeat past the pod TTL: beat
-            # with the last stats (the call still runs between steps) -- but not for an engine that has
-            # stopped answering: then no beat, and the pod expires.
-            fut = asyncio.ensure_future(self.engine_thread.acall(self._stats_and_kv_events))
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late failure is not "never retrieved"
-            done, _ = await asyncio.wait({fut}, timeout=self.settings.heartbeat_interval_s)
-            if fut in done:
-                self.stats = fut.result()
-                self.metrics.update_from_stats(self.stats)
-                self._engine_answered = time.monotonic()
-            elif time.monotonic() - self._engine_answered > self.engine_stall_s:
-                raise RuntimeError(f"engine thread has not answered for {self.engine_stall_s:g} s")
+        """This pod's registration, from the worker's own loop: it never waits for the engine, so a long step (a
+        big prefill on a busy CPU) cannot make the pod look dead. Stats are the last the engine reported (after
+        each step; a refresh is asked for here and read by a later beat). Raises ``RuntimeError`` -- no beat, the
+        pod leaves the registry -- when the engine thread died or made no progress for ``engine_stall_s``."""
+        if self.engine_thread is not None:
+            if not self.engine_thread.alive:
+                raise RuntimeError(f"engine thread stopped: {self.engine_thread.error!r}")
+            stalled = self.engine_stalled()
+            if stalled:
+                raise RuntimeError(stalled)
+            if self._stats_call is None or self._stats_call.done():
+                self._stats_call = asyncio.ensure_future(self.engine_thread.acall(self._stats_and_kv_events))
+                self._stats_call.add_done_callback(self._took_stats)
         s = self.stats
         return PodInfo(
             pod_id=self.settings.pod_id, role=self.role, host=self.settings.advertise_host,
@@ -233,9 +235,23 @@ class Worker:
 
     http_port = 0
     kv_port = 0
-    engine_stall_s = 30.0
-    _engine_answered = 0.0
     colocated = False
+    _stats_call: asyncio.Future | None = None
+
+    def _took_stats(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.stats = fut.result()
+            self.metrics.update_from_stats(self.stats)
+
+    def engine_stalled(self) -> str | None:
+        """Why the engine counts as stuck (no finished step or idle wait for ``engine_stall_s``), or None."""
+        if self.engine_thread is None:
+            return None
+        stalled = self.engine_thread.stalled_s()
+        if stalled > self.settings.engine_stall_s:
+            return (f"engine made no progress for {stalled:.0f} s (one step or call still running; "
+                    f"--engine-stall-s {self.settings.engine_stall_s:g})")
+        return None
 
     def queued_prefill_tokens(self) -> int:
         return 0
@@ -253,6 +269,13 @@ class Worker:
                                     status_code=503)
             if not self.engine_thread.alive:
                 return JSONResponse({"status": "engine stopped", "error": repr(self.engine_thread.error)}, status_code=503)
+            stalled = self.engine_stalled()
+            if stalled:
+                return JSONResponse({"status": "engine stalled", "error": stalled}, status_code=503)
+            if self.faults:
+                return JSONResponse({"status": "degraded", "error": "; ".join(f"{k}: {v}" for k, v in
+                                                                              sorted(self.faults.items()))},
+                                    status_code=503)
             try:
                 await asyncio.wait_for(self.redis.ping(), 2.0)
             except Exception as exc:
@@ -263,6 +286,14 @@ class Worker:
         async def metrics():
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
+        @app.get("/v1/requests/{request_id}")
+        async def request_state(request_id: str):
+            """Whether this pod holds the request (queued, running or reserved here); internal: the router asks it
+            when a request goes silent and its queue entry is gone, to tell a hand-over from a loss."""
+            if not self.holds(request_id):
+                return JSONResponse({"request_id": request_id, "held": False}, status_code=404)
+            return {"request_id": request_id, "held": True}
+
         @app.get("/v1/stats")
         async def stats():
             """Engine counters (``LLMEngine.get_stats``) plus the worker's own; internal, for operators and tests."""
@@ -271,6 +302,21 @@ class Worker:
             return {**self.stats, **self.worker_stats()}
 
         return app
+
+    def holds(self, request_id: str) -> bool:
+        """The request is this pod's: tracked for output, or blocks reserved for its hand-over."""
+        return request_id in self.requests or (self.engine is not None and request_id in self.engine.reserved)
+
+    def set_fault(self, loop: str, error: object | None) -> None:
+        """Record (or with None clear) what ``loop`` cannot do; logged once when it starts and when it ends."""
+        if error is None:
+            if self.faults.pop(loop, None) is not None:
+                logger.info("%s recovered", loop)
+        elif loop not in self.faults:
+            self.faults[loop] = str(error)
+            logger.warning("%s failing: %s", loop, error)
+        else:
+            self.faults[loop] = str(error)
 
     def worker_stats(self) -> dict:
         return {"pod_id": self.settings.pod_id, "role": self.role, "requests_tracked": len(self.requests)}

@@ -27,6 +27,9 @@ _OPTIONS = [
     click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB [PDSERVE_KV_CACHE_MEMORY]."),
     click.option("--attention-backend", default=None, help="auto|torch|triton."),
     click.option("--device", default=None, help="cpu|cuda [default cpu]."),
+    click.option("--engine-stall-s", type=float, default=None,
+                 help="An engine with no finished step for this long counts as stuck: no heartbeat, /health 503 "
+                      "[PDSERVE_ENGINE_STALL_S, default 300]."),
     click.option("--log-level", default=None, help="debug|info|warning|error [PDSERVE_LOG_LEVEL]."),
 ]
 

@@ -34,6 +34,10 @@ class WorkerSettings(BaseSettings):
     registry_token: SecretStr | None = None
     kv_transfer_secret: str = "pdserve-dev-secret"
     heartbeat_interval_s: float = Field(1.0, gt=0)
+    # An engine whose loop finishes no step (nor idle wait) for this long counts as stuck: heartbeats stop (the pod
+    # leaves the registry), /health answers 503, a prefill pod stops holding its queue entries. Far above any one
+    # step: a long prefill on a loaded CPU is slow, not stuck.
+    engine_stall_s: float = Field(300.0, gt=0)
     log_level: str = "info"
     # engine
     model: str = "smollm2-135m-instruct"

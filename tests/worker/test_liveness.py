@@ -1,0 +1,89 @@
+"""A worker's liveness never waits for its engine (issue 12.C): the registry heartbeat is built on the worker's
+own loop while one engine step runs for as long as it must; only an engine that makes no progress for
+``engine_stall_s`` stops the heartbeat and turns ``/health`` to 503 -- and it comes back when the step ends.
+
+The engine is a stand-in whose ``step`` blocks until the test releases it (a long prefill on a loaded CPU); the
+engine thread, the worker, its settings and its HTTP app are the real ones, against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+
+from pdserve.shared.engine.engine_thread import EngineThread
+from pdserve.shared.worker.base import Worker
+from pdserve.shared.worker.settings import WorkerSettings
+
+
+class SlowEngine:
+    """One request whose single step lasts until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.reserved: dict = {}
+        self.steps = 0
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.release.is_set()
+
+    def step(self) -> list:
+        self.release.wait()
+        self.steps += 1
+        return []
+
+    def get_stats(self) -> dict:
+        return {"kv_blocks_total": 100, "kv_blocks_used": 0, "num_running": 1, "num_waiting": 0,
+                "steps": self.steps}
+
+
+def test_heartbeat_does_not_wait_for_a_long_step_and_a_stuck_engine_stops_it(redis_url):
+    async def scenario():
+        # heartbeat_interval_s 5: the old heartbeat waited that long for the engine before beating
+        worker = Worker(WorkerSettings(redis_url=redis_url, pod_id="slow-0", heartbeat_interval_s=5.0,
+                                       engine_stall_s=1.5))
+        worker.loop = asyncio.get_running_loop()
+        worker.http_port = 8003
+        engine = SlowEngine()
+        worker.engine = engine
+        worker.engine_thread = EngineThread(engine, lambda outputs: None, name="slow-engine")
+        worker.engine_thread.start()
+        worker.ready = True
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=worker.create_app()), base_url="http://w")
+        try:
+            await asyncio.sleep(0.2)  # the step has begun
+            started = time.monotonic()
+            info = await asyncio.wait_for(worker.pod_info(), 1.0)
+            beat_s = time.monotonic() - started
+            assert info.pod_id == "slow-0" and info.role == "decode"
+            assert (await http.get("/health")).status_code == 200
+
+            await asyncio.sleep(1.6)  # past engine_stall_s with the step still running: stuck
+            try:
+                await asyncio.wait_for(worker.pod_info(), 1.0)
+                stuck_error = None
+            except RuntimeError as exc:
+                stuck_error = str(exc)
+            stuck_health = await http.get("/health")
+
+            engine.release.set()  # the step ends: the engine progresses again
+            await asyncio.sleep(0.8)
+            recovered = await asyncio.wait_for(worker.pod_info(), 1.0)
+            recovered_health = await http.get("/health")
+            return beat_s, stuck_error, stuck_health, recovered, recovered_health
+        finally:
+            engine.release.set()
+            await http.aclose()
+            await asyncio.to_thread(worker.engine_thread.stop)
+            await worker.redis.aclose()
+            await worker.registry.aclose()
+
+    beat_s, stuck_error, stuck_health, recovered, recovered_health = asyncio.run(scenario())
+    assert beat_s < 0.5, f"the heartbeat waited {beat_s:.2f} s for the engine"
+    assert stuck_error is not None and "engine made no progress for" in stuck_error, stuck_error
+    assert stuck_health.status_code == 503
+    assert stuck_health.json()["status"] == "engine stalled", stuck_health.text
+    assert recovered.pod_id == "slow-0"
+    assert recovered_health.status_code == 200, recovered_health.text
