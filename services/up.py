@@ -221,7 +221,7 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
     for i in range(opts.num_decode):
         http, kv = free_port(), free_port()
         env = {**common, "PDSERVE_PORT": str(http), "PDSERVE_KV_PORT": str(kv), "PDSERVE_POD_ID": f"decode-{i}",
-               "PDSERVE_COLOCATED": "true" if opts.colocated else "false"}
+               "PDSERVE_COLOCATED": "true" if opts.colocated or opts.num_prefill == 0 else "false"}
         children.append(Child(f"decode-{i}", [*py, "decode"], env, log_dir / f"decode-{i}.log",
                               health_url=f"http://{advertise}:{http}/health"))
     for i in range(0 if opts.colocated else opts.num_prefill):

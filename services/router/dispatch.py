@@ -7,10 +7,12 @@ Decode pod, by ``routing_mode``:
   least_loaded   fewest requests (counting those this router has in flight to it that its last heartbeat
                  may not show yet), then most free KV blocks;
   round_robin    pods in turn (the benchmark's baseline).
-Prefill: remote, through ``pdserve:prefill``, unless no prefill pod is alive, the decode pod is colocated,
-or what the decode pod would still have to prefill (kv: the prompt past its cached prefix; otherwise the
-whole prompt) is at most ``local_prefill_threshold`` tokens — then the decode pod prefills it itself (its
-own stream).
+Prefill: remote, through ``pdserve:prefill``, unless the decode pod is colocated, or what the decode pod would
+still have to prefill (kv: the prompt past its cached prefix; otherwise the whole prompt) is at most
+``local_prefill_threshold`` tokens — then the decode pod prefills it itself (its own stream). With no prefill
+pod alive, only a short prompt (at most ``fallback_max_tokens`` to prefill) goes to the decode pod: a long one
+in a decode pod's batch would stall every request decoding there, so it waits in the prefill queue for a prefill
+pod (the relay's prefill watch fails it with 503 when none comes).
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class Dispatcher:
 
     def __init__(self, redis: Redis, directory: PodDirectory, cache_s: float = 0.5,
                  local_prefill_threshold: int = 0, retry_after_s: int = 1, routing: RoutingConfig | None = None,
-                 metrics: Any = None, rng: random.Random | None = None) -> None:
+                 metrics: Any = None, rng: random.Random | None = None, fallback_max_tokens: int = 256) -> None:
+        self.fallback_max_tokens = max(fallback_max_tokens, local_prefill_threshold)
         self.routing = routing or RoutingConfig()
         self.metrics = metrics
         self.rng = rng or random.Random()
@@ -224,8 +227,14 @@ class Dispatcher:
         if prompt_len <= self.local_prefill_threshold:
             return Placement(pod, True, f"prompt {prompt_len} <= threshold {self.local_prefill_threshold} tokens")
         if not await self.pods("prefill"):
-            return Placement(pod, True, "no prefill pod alive")
+            return self._no_prefill_pod(pod, prompt_len)
         return Placement(pod, False, f"prompt {prompt_len} tokens")
+
+    def _no_prefill_pod(self, pod: Any, suffix: int, *extra: Any) -> Placement:
+        if suffix <= self.fallback_max_tokens:
+            return Placement(pod, True, "no prefill pod alive", *extra)
+        return Placement(pod, False, f"no prefill pod alive; {suffix} tokens to prefill > "
+                                     f"{self.fallback_max_tokens}: waiting in the prefill queue", *extra)
 
     async def _place_kv(self, ids: Sequence[int], cache_salt: str | None) -> Placement:
         if self.block_size is None:
@@ -256,7 +265,7 @@ class Dispatcher:
         if getattr(pod, "colocated", False):
             local, reason = True, "colocated decode pod"
         elif reply.num_prefill_pods == 0:
-            local, reason = True, "no prefill pod alive"
+            return self._no_prefill_pod(pod, suffix, len(hashes), overlap, costs)
         elif suffix <= self.local_prefill_threshold:
             local, reason = True, f"uncached suffix {suffix} <= threshold {self.local_prefill_threshold} tokens"
         else:
@@ -284,7 +293,8 @@ class Dispatcher:
                 raise
         self._groups.add(stream)
 
-    async def enqueue(self, placement: Placement, requests: list[PrefillRequest]) -> None:
+    async def enqueue(self, placement: Placement, requests: list[PrefillRequest]) -> tuple[str, list[str]]:
+        """XADD the requests to the placement's queue; returns the stream and the entry id of each request."""
         if placement.local_prefill:
             stream, group = keys.decode_stream(placement.pod.pod_id), keys.DECODE_GROUP
         else:
@@ -293,8 +303,9 @@ class Dispatcher:
         async with self.redis.pipeline(transaction=False) as pipe:
             for req in requests:
                 pipe.xadd(stream, req.encode())
-            await pipe.execute()
+            ids = await pipe.execute()
         self.in_flight[placement.pod.pod_id] += len(requests)
+        return stream, [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
 
     def finished(self, pod_id: str, count: int) -> None:
         self.in_flight[pod_id] -= count

@@ -161,9 +161,15 @@ async def test_dispatcher_routes_to_the_pod_holding_the_prefix(registry):
 async def test_dispatcher_prefills_locally_without_a_prefill_pod_and_round_robins(registry):
     await registry.heartbeat(pod("d0"))
     await registry.heartbeat(pod("d1"))
-    d = Dispatcher(None, registry, routing=RoutingConfig("kv"))
-    pl = await d.place(len(PREFIX), PREFIX)
+    d = Dispatcher(None, registry, routing=RoutingConfig("kv"), fallback_max_tokens=64)
+    pl = await d.place(64, PREFIX[:64])
     assert pl.local_prefill and pl.reason == "no prefill pod alive"
+    # a long prompt never falls back to a decode pod's batch (issue 12.C): it waits in the prefill queue
+    for mode in ("kv", "least_loaded"):
+        d = Dispatcher(None, registry, routing=RoutingConfig(mode), fallback_max_tokens=64)
+        pl = await d.place(len(PREFIX), PREFIX)
+        assert not pl.local_prefill, (mode, pl.reason)
+        assert pl.reason == f"no prefill pod alive; {len(PREFIX)} tokens to prefill > 64: waiting in the prefill queue"
     await registry.heartbeat(pod("p0", role="prefill"))
     d = Dispatcher(None, registry, routing=RoutingConfig("round_robin"))
     assert [(await d.place(len(PREFIX), PREFIX)).pod.pod_id for _ in range(4)] == ["d0", "d1", "d0", "d1"]
