@@ -219,6 +219,7 @@ class DecodeWorker(Worker):
             try:
                 entries = await self.redis.xreadgroup(keys.DECODE_GROUP, self.settings.pod_id, {stream: ">"},
                                                       count=32, block=1000)
+                self.set_fault("local queue", None)
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):
                     try:
@@ -226,11 +227,11 @@ class DecodeWorker(Worker):
                         continue
                     except (RedisError, OSError) as again:
                         exc = again
-                logger.warning("reading %s failed (%s); retrying", stream, exc)
+                self.set_fault("local queue", f"reading {stream} failed: {exc}")
                 await asyncio.sleep(1.0)
                 continue
             except (RedisError, OSError) as exc:
-                logger.warning("reading %s failed (%s); retrying", stream, exc)
+                self.set_fault("local queue", f"reading {stream} failed: {exc}")
                 await asyncio.sleep(1.0)
                 continue
             try:

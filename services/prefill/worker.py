@@ -4,7 +4,12 @@ router chose — only the blocks that pod does not hold yet — then hands the r
 
 A queue entry is acknowledged only after the decode pod confirmed the hand-over (or the request
 ended here: finished by its first token, rejected, or failed with an error event), so an entry held
-by a worker that died is reclaimed by another worker (XAUTOCLAIM after ``claim_idle_s``).
+by a worker that died is reclaimed by another worker (XAUTOCLAIM after ``claim_idle_s``). The entries a worker
+holds are touched every second (their idle time reset) while its engine makes progress, so the router can tell a
+worker that stopped (SIGSTOP, a stuck engine) from a slow one by the idle time of its entries.
+
+Redis may lose its data (restarted without persistence, FLUSHALL): the consumer group is made again at once (at
+id 0, so what the router queued meanwhile is read), and entries that vanished need no acknowledgement.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class PrefillSettings(WorkerSettings):
     # Prefilled KV held here while waiting for decode pods, in bytes: past it no new queue entry is taken (0 = no
     # cap beyond max_inflight).
     max_waiting_kv_bytes: int = 4 << 30
+    # The token budget per step (prefill chunk): an abort, a stats call or a new request waits at most one step,
+    # so a long prompt is prefilled in chunks of this size rather than in one step of minutes on a busy CPU.
+    max_num_batched_tokens: int = 512
 
 
 class PrefillWorker(Worker):
@@ -72,12 +80,17 @@ class PrefillWorker(Worker):
         self.waiting_kv_bytes = 0  # exported KV of transfers not finished yet
 
     async def start_role(self) -> None:
+        await self._ensure_group()
+        self.tasks += [asyncio.create_task(self._consume()), asyncio.create_task(self._reclaim()),
+                       asyncio.create_task(self._touch_loop())]
+
+    async def _ensure_group(self) -> None:
+        """The queue's consumer group, at id 0: entries queued before it existed are delivered too."""
         try:
             await self.redis.xgroup_create(keys.PREFILL_STREAM, keys.PREFILL_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        self.tasks += [asyncio.create_task(self._consume()), asyncio.create_task(self._reclaim())]
 
     async def stop(self) -> None:
         for task in self.transfers:
@@ -108,8 +121,17 @@ class PrefillWorker(Worker):
             try:
                 entries = await self.redis.xreadgroup(keys.PREFILL_GROUP, self.settings.pod_id,
                                                       {keys.PREFILL_STREAM: ">"}, count=max(1, free), block=1000)
+                self.set_fault("prefill queue", None)
             except (RedisError, OSError) as exc:
-                logger.warning("reading the prefill queue failed (%s); retrying", exc)
+                self.set_fault("prefill queue", f"reading {keys.PREFILL_STREAM} failed: {exc}")
+                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):  # Redis lost its data: make it again
+                    try:
+                        await self._ensure_group()
+                        logger.warning("the prefill queue's consumer group was gone (Redis lost its data?); "
+                                       "made it again")
+                        continue
+                    except (RedisError, OSError) as again:
+                        logger.warning("recreating the consumer group failed: %s", again)
                 await asyncio.sleep(1.0)
                 continue
             try:
@@ -130,7 +152,6 @@ class PrefillWorker(Worker):
         idle_ms = int(self.settings.claim_idle_s * 1000)
         while True:
             await asyncio.sleep(max(0.5, self.settings.claim_idle_s / 4))
-            await self._touch()
             try:
                 # Redis 6.2 answers [next id, entries], Redis 7 adds the deleted ids
                 reply = await self.redis.xautoclaim(keys.PREFILL_STREAM, keys.PREFILL_GROUP,
@@ -139,10 +160,19 @@ class PrefillWorker(Worker):
                     if fields:
                         logger.info("reclaimed queue entry %s from a dead prefill worker", msg_id)
                         await self._admit(msg_id, fields)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):  # a lost group: the consumer loop makes it again
+                    logger.warning("XAUTOCLAIM failed: %s", exc)
             except (RedisError, OSError) as exc:
                 logger.warning("XAUTOCLAIM failed: %s", exc)
             except Exception:  # this loop is what recovers dead workers' entries: it must not die
                 logger.exception("reclaiming queue entries failed")
+
+    async def _touch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.claim_idle_s / 4))
+            if self.engine_stalled() is None:  # a stuck engine's entries go idle: reclaimed or moved elsewhere
+                await self._touch()
 
     async def _touch(self) -> None:
         """Reset the idle time of the entries this worker still holds (XCLAIM to itself, JUSTID), so a slow
@@ -161,7 +191,12 @@ class PrefillWorker(Worker):
         """XACK + XDEL, retried with backoff while Redis is away (an entry left pending would be reclaimed and
         run twice)."""
         async def ack() -> None:
-            await self.redis.xack(keys.PREFILL_STREAM, keys.PREFILL_GROUP, msg_id)
+            try:
+                await self.redis.xack(keys.PREFILL_STREAM, keys.PREFILL_GROUP, msg_id)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                return  # the group went with Redis's data, and the entry with it: nothing left to acknowledge
             await self.redis.xdel(keys.PREFILL_STREAM, msg_id)
 
         await retry_redis(ack, f"acknowledging {msg_id}", retry_s)

@@ -47,6 +47,7 @@ from .params import (RequestPlan, build_sampling_params, check_context, check_cr
                      generation_defaults, requested_max_tokens)
 from .prompts import PromptProcessor
 from .migration import Migrator, health_url
+from .prefill_watch import PrefillWatch
 from .relay import ChoiceRoute, OutputRelay, abort_requests
 from .responses import ResponseBuilder
 from .schemas import (REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -188,7 +189,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
             dispatcher=Dispatcher(redis, directory, settings.registry_cache_s,
                                   settings.local_prefill_threshold, settings.retry_after_s,
                                   RoutingConfig(settings.routing_mode, settings.routing_load_weight,
-                                                settings.routing_temperature), app.state.metrics),
+                                                settings.routing_temperature), app.state.metrics,
+                                  fallback_max_tokens=settings.local_prefill_fallback_max_tokens),
             metrics=app.state.metrics, defaults=defaults)
         alive = asyncio.create_task(_announce(redis, app.state.router.router_id))
         logger.info("router serving %s (max_model_len %d), redis %s, registry %s", settings.served_name,
@@ -393,12 +395,13 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                     arrival_time=arrival_wall, deadline=None, cache_salt=cache_salt,
                     priority=req.priority, choice_index=prompt_index * p.n + j, router_id=st.router_id)
                     for j in range(p.n)]
-                await st.dispatcher.enqueue(placement, choices)
+                stream, entries = await st.dispatcher.enqueue(placement, choices)
                 pods.extend([pod.pod_id] * p.n)
                 job.routes.extend(ChoiceRoute(c.request_id, pod.pod_id, c.prompt_token_ids, c.sampling_params,
                                               c.cache_salt, c.priority, pod_health_url=health_url(pod),
-                                              pod_started_at=getattr(pod, "started_at", None))
-                                  for c in choices)
+                                              pod_started_at=getattr(pod, "started_at", None),
+                                              queue_stream=stream, queue_entry=entry)
+                                  for c, entry in zip(choices, entries))
                 st.metrics.pd_decisions.labels(settings.served_name,
                                                "local" if placement.local_prefill else "remote").inc(p.n)
                 logger.info("request %s: %d prompt tokens, n=%d -> decode pod %s (%s prefill)", response_id,
@@ -460,10 +463,12 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                lambda reason: st.metrics.migrations.labels(
                                    settings.served_name, "error" if reason.startswith("worker") else "stall").inc(),
                                router_id=st.router_id)
+            watch = PrefillWatch(st.redis, st.dispatcher, settings.prefill_stall_s, settings.retry_after_s) \
+                if settings.prefill_stall_s else None
             relay = OutputRelay(st.redis, job.routes, settings.request_timeout_s, settings.migration_stall_s,
                                 migrate if settings.migration_stall_s else None,
                                 redis_retry_s=settings.redis_retry_s,
-                                stop=(app.state.drain.expired, app.state.drain.error))
+                                stop=(app.state.drain.expired, app.state.drain.error), watch=watch)
             async for index, event in relay:
                 if job.queued and started_decoding(event):
                     job.decoding.add(index)

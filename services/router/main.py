@@ -28,6 +28,12 @@ from .settings import RouterSettings
 @click.option("--max-model-len", type=int, default=None, help="Context length [default: the model's].")
 @click.option("--local-prefill-threshold", type=int, default=None,
               help="Prompts of at most this many tokens are prefilled on the decode pod.")
+@click.option("--local-prefill-fallback-max-tokens", type=int, default=None,
+              help="With no prefill pod alive, only prompts of at most this many tokens go to a decode pod's "
+                   "local prefill; longer ones wait for a prefill pod [default 256].")
+@click.option("--prefill-stall-s", type=float, default=None,
+              help="Move a request whose prefill worker stopped touching it (or whose queue entry Redis lost) "
+                   "after this long (0 = never) [default 30].")
 @click.option("--routing-mode", type=click.Choice(["kv", "round_robin", "least_loaded"]), default=None,
               help="Decode pod choice [PDSERVE_ROUTING_MODE, default kv].")
 @click.option("--routing-load-weight", type=float, default=None,

@@ -18,10 +18,12 @@ import time
 from typing import Any
 
 import httpx
+from redis.exceptions import RedisError
 
 from pdserve.shared.protocol.messages import PrefillRequest
 
 from .errors import OpenAIError
+from .prefill_watch import group_of
 from .relay import ChoiceRoute, abort_requests
 
 
@@ -86,9 +88,22 @@ class Migrator:
         marks = getattr(self.dispatcher, "unreachable", None)
         return marks is not None and pod_id in await marks(fresh=True)
 
-    async def __call__(self, index: int, route: ChoiceRoute, reason: str) -> bool:
+    async def _drop_entry(self, route: ChoiceRoute) -> None:
+        """Take the old request's queue entry out of the queue (best effort: a worker that finds it aborted
+        drops it anyway), so no worker reclaims a request that moved."""
+        if not route.queue_entry:
+            return
+        try:
+            await self.redis.xack(route.queue_stream, group_of(route.queue_stream), route.queue_entry)
+            await self.redis.xdel(route.queue_stream, route.queue_entry)
+        except RedisError as exc:
+            logger.info("dropping queue entry %s of %s failed: %s", route.queue_entry, route.request_id, exc)
+
+    async def __call__(self, index: int, route: ChoiceRoute, reason: str, check_pod: bool = True) -> bool:
         unreachable = False
-        if reason.startswith("worker error"):
+        if not check_pod:
+            pass  # the prefill side lost it (prefill_watch.py): move it wherever its decode pod stands
+        elif reason.startswith("worker error"):
             unreachable = await self._marked_unreachable(route.pod_id)
             deadline = time.monotonic() + self.pod_gone_wait_s
             while not unreachable and await self.pod_alive(route):
@@ -98,7 +113,8 @@ class Migrator:
         elif await self.pod_alive(route):
             return False
         if route.migrations >= self.max_migrations:
-            raise OpenAIError(503, f"The request lost its decode pod {route.migrations + 1} times; giving up",
+            what = "its decode pod" if check_pod else "its prefill"
+            raise OpenAIError(503, f"The request lost {what} {route.migrations + 1} times ({reason}); giving up",
                               headers={"Retry-After": "1"})
         sent = len(route.token_ids)
         ids = list(route.prompt_token_ids) + list(route.token_ids)  # all of it needs KV on the new pod
@@ -110,13 +126,14 @@ class Migrator:
         stem = self.job.request_ids[index].split("~m")[0]
         new_id = f"{stem}~m{route.migrations}"
         await abort_requests(self.redis, [route.request_id])
+        await self._drop_entry(route)
         request = PrefillRequest(request_id=new_id, model=self.model, prompt_token_ids=list(route.prompt_token_ids),
                                  sampling_params=dict(route.sampling_params), decode_pod_id=placement.pod.pod_id,
                                  decode_host=placement.pod.host, decode_kv_port=int(placement.pod.kv_port),
                                  arrival_time=time.time(), cache_salt=route.cache_salt, priority=route.priority,
                                  choice_index=index, output_token_ids=list(route.token_ids),
                                  output_text_len=route.text_len, router_id=self.router_id)
-        await self.dispatcher.enqueue(placement, [request])
+        stream, (entry,) = await self.dispatcher.enqueue(placement, [request])
         old_pod = self.job.pods[index] if index < len(self.job.pods) else route.pod_id
         self.dispatcher.finished(old_pod, 1)
         if index < len(self.job.pods):
@@ -126,6 +143,7 @@ class Migrator:
                        route.pod_id, reason, placement.pod.pod_id, sent)
         route.request_id, route.pod_id = new_id, placement.pod.pod_id
         route.pod_health_url = health_url(placement.pod)
+        route.queue_stream, route.queue_entry, route.queued_at, route.vanished = stream, entry, time.monotonic(), False
         route.pod_started_at = getattr(placement.pod, "started_at", None)
         if self.on_migrated is not None:
             self.on_migrated(reason)

@@ -8,6 +8,8 @@ reading are not lost.
   * events are deduplicated by their cumulative ``completion_tokens``: a prefill worker that died after
     emitting the first token has its queue entry reclaimed by another, which emits that token again —
     the client gets it once;
+  * a choice whose output stalls (no event for ``stall_s``) while it still has a queue entry is asked about
+    (``prefill_watch.py``): a prefill worker that stopped touching it, or an entry Redis lost, moves it;
   * a choice whose output stalls (no event for ``stall_s``) or whose worker reports a retryable 503 is
     handed to ``migrate`` (the app re-enqueues it, under a new internal request id, resuming from the tokens
     and text already relayed); the relay then reads the new stream, whose ``completion_tokens`` continue
@@ -24,6 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdserve.shared.protocol import keys
@@ -54,13 +57,18 @@ class ChoiceRoute:
     migrations: int = 0
     pod_health_url: str = ""  # the decode pod's /health, probed before declaring it dead
     pod_started_at: float | None = None  # the decode pod's incarnation (PodInfo.started_at) when it got the request
+    queue_stream: str = ""  # where its request waits for a worker (cleared once a decode pod holds it)
+    queue_entry: str = ""  # its entry id there
+    queued_at: float = field(default_factory=time.monotonic)
+    vanished: bool = False  # the watch found its entry and state gone once (prefill_watch.py)
     last_event: float = field(default_factory=time.monotonic)
     last_check: float = field(default_factory=time.monotonic)
     done: bool = False
 
 
-# migrate(choice_index, route, reason) -> True when the route now points at a new request; may raise OpenAIError.
-Migrate = Callable[[int, ChoiceRoute, str], Awaitable[bool]]
+# migrate(choice_index, route, reason, check_pod) -> True when the route now points at a new request; may raise
+# OpenAIError. ``check_pod=False``: move it whatever its decode pod's state (the prefill side lost it).
+Migrate = Callable[..., Awaitable[bool]]
 
 
 def is_retryable(error: dict[str, Any] | None) -> bool:
@@ -103,7 +111,9 @@ class OutputRelay:
 
     def __init__(self, redis: Redis, routes: list[ChoiceRoute], idle_timeout_s: float, stall_s: float = 0.0,
                  migrate: Migrate | None = None, block_ms: int = 1000, redis_retry_s: float = 30.0,
-                 stop: tuple[asyncio.Event, Callable[[], Exception]] | None = None) -> None:
+                 stop: tuple[asyncio.Event, Callable[[], Exception]] | None = None,
+                 watch: Any = None) -> None:
+        self.watch = watch  # a PrefillWatch, or None
         self.redis_retry_s = redis_retry_s
         self.stop = stop  # (event, error): once the event is set, the next read raises the error (shutdown)
         self.redis = redis
@@ -114,11 +124,12 @@ class OutputRelay:
         self.block_ms = block_ms
 
     async def _try_migrate(self, index: int, route: ChoiceRoute, reason: str,
-                           last_ids: dict[int, tuple[str, str]]) -> bool:
+                           last_ids: dict[int, tuple[str, str]], check_pod: bool = True) -> bool:
         if self.migrate is None:
             return False
         old = route.request_id
-        if not await self.migrate(index, route, reason):
+        if not await (self.migrate(index, route, reason) if check_pod else
+                      self.migrate(index, route, reason, check_pod=False)):
             return False
         logger.info("request %s (choice %d) migrated to %s on pod %s after %d tokens (%s)", old, index,
                     route.request_id, route.pod_id, len(route.token_ids), reason)
@@ -186,6 +197,15 @@ class OutputRelay:
                     route = self.routes[index]
                     if now - route.last_check >= self.stall_s:
                         route.last_check = now
+                        if self.watch is not None and route.queue_entry:
+                            try:
+                                reason = await self.watch.check(route)
+                            except RedisError as exc:  # Redis away: ask again at the next check
+                                logger.warning("checking the queue entry of %s failed: %s", route.request_id, exc)
+                                reason = None
+                            if reason is not None and await self._try_migrate(index, route, reason, last_ids,
+                                                                              check_pod=False):
+                                continue
                         await self._try_migrate(index, route, f"no output for {now - route.last_event:.1f} s",
                                                 last_ids)
 

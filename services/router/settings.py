@@ -42,6 +42,15 @@ class RouterSettings(BaseSettings):
     # this many tokens are prefilled by that pod itself (0 = never, unless no prefill pod is alive or the
     # decode pod is colocated).
     local_prefill_threshold: int = Field(0, ge=0)
+    # With no prefill pod alive, a decode pod prefills a prompt itself only when at most this many tokens (or
+    # local_prefill_threshold) are left to prefill; a longer one waits in the prefill queue (a long prefill in a
+    # decode batch stalls every request decoding there) and gets 503 after prefill_stall_s if no prefill pod comes.
+    local_prefill_fallback_max_tokens: int = Field(256, ge=0)
+    # A queued request whose prefill worker has not touched its entry for this long (the worker is stopped or its
+    # engine is stuck; a live one touches its entries every second), or whose entry Redis lost, moves to another
+    # pod under a new id (counted by max_migrations); one that no prefill pod took for this long while none was
+    # alive gets 503 (s, 0 = never; checked every migration_stall_s).
+    prefill_stall_s: float = Field(30.0, ge=0)
     # Decode pod choice: kv (prefix overlap + load, one registry lookup per request), least_loaded, round_robin.
     routing_mode: Literal["kv", "round_robin", "least_loaded"] = "kv"
     # kv: cost = uncached prompt blocks + routing_load_weight x requests on the pod (blocks per request).

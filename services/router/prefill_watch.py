@@ -1,0 +1,104 @@
+"""Watching a silent request until a pod holds it: the queue entry's state tells a slow prefill from a stopped
+prefill worker, and from a request that Redis lost.
+
+The relay asks ``PrefillWatch.check`` about a choice that has had no output event for a while and still has a
+queue entry (``ChoiceRoute.queue_stream``/``queue_entry``). Its answer:
+
+  * entry pending with a consumer, idle less than ``stall_s``: the worker is on it (workers touch the entries
+    they hold every second while their engine makes progress) -> wait;
+  * entry pending, idle ``stall_s`` or more: the worker stopped (SIGSTOP, a stuck engine, a dead process whose
+    entries nobody reclaimed yet) -> a reason: the relay moves the request (re-placed under a new id; the old one
+    is aborted, so a worker that wakes up cannot write into the client's stream);
+  * entry still in the stream, not delivered: waiting for a worker -> wait, unless it is the prefill queue and
+    no prefill pod has been alive for ``stall_s`` -> 503 ``OpenAIError`` (a long prompt never falls back to a
+    decode pod's local prefill, see ``dispatch.py``);
+  * entry gone: handed over (or ended) -- then the decode pod holds the request (``GET /v1/requests/{id}``), and
+    the watch is done with it -- or lost with Redis's data (restarted empty, FLUSHALL) -> a reason: move it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+from redis.exceptions import ResponseError
+
+from pdserve.shared.protocol import keys
+
+from .errors import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+
+def group_of(stream: str) -> str:
+    return keys.PREFILL_GROUP if stream == keys.PREFILL_STREAM else keys.DECODE_GROUP
+
+
+class PrefillWatch:
+    """``stall_s``: how long a queue entry may sit with a worker that does not touch it, or wait with no prefill
+    pod alive, before the request moves (or fails with 503)."""
+
+    def __init__(self, redis: Any, dispatcher: Any, stall_s: float, retry_after_s: int = 1) -> None:
+        self.redis = redis
+        self.dispatcher = dispatcher
+        self.stall_s = stall_s
+        self.retry_after_s = retry_after_s
+
+    async def check(self, route: Any) -> str | None:
+        """A reason to move ``route``'s request, or None to keep waiting. Raises ``OpenAIError(503)`` for a request
+        no prefill pod came for. Redis errors propagate (the relay treats them as an outage)."""
+        stream, entry = route.queue_stream, route.queue_entry
+        try:
+            pending = await self.redis.xpending_range(stream, group_of(stream), entry, entry, 1)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            pending = []  # the group is gone: Redis lost its data (the worker makes the group again)
+        if pending:
+            idle_s = int(pending[0]["time_since_delivered"]) / 1000
+            if idle_s < self.stall_s:
+                return None
+            consumer = pending[0]["consumer"]
+            consumer = consumer.decode() if isinstance(consumer, bytes) else consumer
+            return f"prefill stalled: worker {consumer} has not touched it for {idle_s:.0f} s"
+        if await self.redis.xrange(stream, entry, entry, count=1):
+            if stream == keys.PREFILL_STREAM and time.monotonic() - route.queued_at >= self.stall_s \
+                    and not await self._prefill_pods():
+                raise OpenAIError(503, f"No prefill pod took the request within {self.stall_s:g} s; retry later",
+                                  headers={"Retry-After": str(self.retry_after_s)})
+            return None  # waiting in the queue
+        held = await self._decode_pod_holds(route)
+        if held is None:
+            return None  # the decode pod does not answer: the decode stall check decides
+        if held:
+            route.queue_stream = route.queue_entry = ""  # handed over: the decode pod has it
+            return None
+        # Seen twice, a check apart, before it counts: pods that Redis's data loss dropped from the registry have
+        # heartbeated again by then, so the move finds a decode pod.
+        if not route.vanished:
+            route.vanished = True
+            return None
+        return "its queue entry and its state vanished (Redis lost its data?)"
+
+    async def _prefill_pods(self) -> bool:
+        try:
+            return bool(await self.dispatcher.pods("prefill"))
+        except OpenAIError:
+            return True  # registry unreachable: no evidence
+
+    async def _decode_pod_holds(self, route: Any) -> bool | None:
+        base = route.pod_health_url.removesuffix("/health")
+        if not base:
+            return None
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                resp = await client.get(f"{base}/v1/requests/{route.request_id}")
+        except httpx.HTTPError:
+            return None
+        try:
+            held = resp.json().get("held")
+        except (ValueError, AttributeError):
+            return None  # not a pdserve worker's answer: no evidence either way
+        return held if isinstance(held, bool) else None
