@@ -6,7 +6,7 @@ queue entry (``ChoiceRoute.queue_stream``/``queue_entry``). Its answer:
 
   * entry pending with a consumer, idle less than ``stall_s``: the worker is on it (workers touch the entries
     they hold every second while their engine makes progress) -> wait;
-  * entry pending, idle ``stall_s`` or more: the worker stopped (SIGSTOP, a stuck engine, a dead process whose
+  * prefill queue entry pending, idle ``stall_s`` or more: the worker stopped (SIGSTOP, a stuck engine, a dead process whose
     entries nobody reclaimed yet) -> a reason: the relay moves the request (re-placed under a new id; the old one
     is aborted, so a worker that wakes up cannot write into the client's stream);
   * entry still in the stream, not delivered: waiting for a worker -> wait, unless it is the prefill queue and
@@ -58,8 +58,8 @@ class PrefillWatch:
             pending = []  # the group is gone: Redis lost its data (the worker makes the group again)
         if pending:
             idle_s = int(pending[0]["time_since_delivered"]) / 1000
-            if idle_s < self.stall_s:
-                return None
+            if idle_s < self.stall_s or stream != keys.PREFILL_STREAM:
+                return None  # (a decode pod admits its own entries at once: its stall check covers it)
             consumer = pending[0]["consumer"]
             consumer = consumer.decode() if isinstance(consumer, bytes) else consumer
             return f"prefill stalled: worker {consumer} has not touched it for {idle_s:.0f} s"
