@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from pdserve.shared.engine.engine_thread import EngineThread
 from pdserve.shared.worker.base import Worker
@@ -87,3 +88,25 @@ def test_heartbeat_does_not_wait_for_a_long_step_and_a_stuck_engine_stops_it(red
     assert stuck_health.json()["status"] == "engine stalled", stuck_health.text
     assert recovered.pod_id == "slow-0"
     assert recovered_health.status_code == 200, recovered_health.text
+
+
+@pytest.mark.slow
+def test_a_prefill_pod_prefills_a_long_prompt_in_bounded_steps_and_an_abort_between_them_frees_it(prompt_of):
+    """The prefill pod's default step budget bounds what an abort (or a stats call, or a new request) waits for:
+    one 512-token chunk, not a whole long prompt (issue 12.C)."""
+    from pdserve.services.prefill.worker import PrefillSettings
+    from pdserve.shared.engine.llm_engine import LLMEngine
+    from pdserve.shared.engine.sampling_params import SamplingParams
+
+    settings = PrefillSettings(kv_cache_memory="96MiB", max_model_len=2048)
+    budget = settings.max_num_batched_tokens
+    assert budget == 512
+    engine = LLMEngine(settings.engine_config())
+    ids = (prompt_of(140) * 10)[:1300]
+    engine.add_request("long", ids, SamplingParams(max_tokens=1), prefill_only=True)
+    engine.step()  # one chunk: no first token yet
+    (request,) = engine.groups["long"].members
+    assert request.num_computed_tokens == budget and not request.is_finished
+    assert engine.abort_request("long")  # what the worker's abort runs between two steps
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats()["kv_blocks_used"] == 0
