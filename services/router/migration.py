@@ -139,8 +139,8 @@ class Migrator:
         if index < len(self.job.pods):
             self.job.pods[index] = placement.pod.pod_id
         self.job.request_ids[index] = new_id
-        logger.warning("request %s lost decode pod %s (%s); continuing on %s after %d tokens", route.request_id,
-                       route.pod_id, reason, placement.pod.pod_id, sent)
+        logger.warning("request %s %s (%s); continuing on %s after %d tokens", route.request_id,
+                       f"lost decode pod {route.pod_id}" if check_pod else "moved", reason, placement.pod.pod_id, sent)
         route.request_id, route.pod_id = new_id, placement.pod.pod_id
         route.pod_health_url = health_url(placement.pod)
         route.queue_stream, route.queue_entry, route.queued_at, route.vanished = stream, entry, time.monotonic(), False
