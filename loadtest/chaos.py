@@ -30,6 +30,7 @@ import click
 import httpx
 import redis as redis_sync
 
+from pdserve.loadtest.sse import StrictSSE
 from pdserve.services import up
 from pdserve.shared.protocol import keys
 
@@ -223,14 +224,14 @@ async def completion(client: httpx.AsyncClient, url: str, prompt: str, max_token
                 out.error = resp.json().get("error")
                 return out
             chunks = 0
+            sse = StrictSSE()  # a line vLLM's benchmark could not read fails the request (SSEProtocolError)
             async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[len("data: "):]
-                if payload == "[DONE]":
+                data = sse.feed(line)
+                if sse.done:
                     out.done = True
                     break
-                data = json.loads(payload)
+                if data is None:
+                    continue
                 if "error" in data:
                     out.error = data["error"]
                     continue

@@ -2,7 +2,8 @@
 
 Each call posts one request with ``stream: true`` and ``stream_options.include_usage`` (and
 ``continuous_usage_stats``, which vLLM-style servers answer with a running token count per chunk, so
-multi-token chunks are counted right), reads the SSE ``data:`` lines as they arrive and folds them into
+multi-token chunks are counted right), reads the SSE ``data:`` lines as they arrive (strictly: any other non-empty line fails the request, as in
+vLLM's benchmark; ``pdserve.loadtest.sse``) and folds them into
 a :class:`~pdserve.loadtest.timeline.RequestRecord`. A failure is recorded by status, never raised.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.loadtest.sse import SSEProtocolError, StrictSSE
 from pdserve.loadtest.timeline import RequestRecord, StreamTimeline
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -97,21 +99,22 @@ async def send_streaming(
         async with session.post(cfg.url, json=body) as resp:
             if resp.status != 200:
                 return tl.fail(str(resp.status), _error_message(await resp.text()) or resp.reason or "")
-            async for raw in resp.content:
-                t = time.perf_counter()
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, ": keep-alive" comments, event:/id: fields
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                try:
-                    data = json.loads(payload)
-                except ValueError:
-                    return tl.fail("stream_error", f"malformed SSE data: {payload[:120]!r}")
-                tl.on_chunk(t, data)
-                if record.status == "stream_error":
-                    break
+            sse = StrictSSE()
+            try:
+                async for raw in resp.content:
+                    t = time.perf_counter()
+                    data = sse.feed(raw)
+                    if sse.done:
+                        break
+                    if data is None:
+                        continue
+                    tl.on_chunk(t, data)
+                    if record.status == "stream_error":
+                        break
+                else:
+                    sse.close()
+            except SSEProtocolError as exc:  # vLLM's benchmark fails on the same line
+                return tl.fail("stream_error", f"malformed SSE stream: {exc}")
     except asyncio.TimeoutError:
         return tl.fail("timeout", f"no data for {cfg.request_timeout_s:g} s")
     except aiohttp.ClientConnectionError as exc:

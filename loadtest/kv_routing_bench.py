@@ -32,6 +32,7 @@ import httpx
 
 from pdserve.loadtest.errors import LoadTestError
 from pdserve.loadtest.procs import free_port, stop, wait_healthy, wait_serving
+from pdserve.loadtest.sse import aread_chunks
 
 MODEL = "smollm2-135m-instruct"
 TOPICS = ["sourdough bread", "bicycle repair", "tide pools", "chess openings", "houseplants", "jazz chords",
@@ -76,10 +77,7 @@ async def chat_turns(http: httpx.AsyncClient, user: int, turns: int, system: str
                 if resp.status_code != 200:
                     run.errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
                     return
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in aread_chunks(resp.aiter_lines()):
                     for choice in chunk.get("choices", []):
                         delta = choice.get("delta", {}).get("content")
                         if delta:

@@ -26,6 +26,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.loadtest.procs import free_port, running
+from pdserve.loadtest.sse import read_chunks
 
 STAGES = [
     ("queue wait", "prefill", "pdserve:request_queue_time_seconds"),
@@ -71,8 +72,8 @@ def ttft_breakdown_command(prompt_tokens: int, num_requests: int, dtype: str, mo
                 first = None
                 with http.stream("POST", f"{router_url}/v1/completions", json=body) as resp:
                     resp.raise_for_status()
-                    for line in resp.iter_lines():
-                        if first is None and line.startswith("data: {"):
+                    for _ in read_chunks(resp.iter_lines()):
+                        if first is None:
                             first = time.perf_counter() - start
                 client_ttft.append(first)
         pods = {role: httpx.get(f"{registry_url}/v1/pods", params={"role": role},

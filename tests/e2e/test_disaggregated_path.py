@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from pdserve.loadtest.sse import read_chunks
 from support.ensemble import Ensemble
 
 openai = pytest.importorskip("openai")
@@ -85,9 +86,8 @@ def test_client_disconnect_frees_decode_blocks(ensemble):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{ensemble.router_url}/v1/completions", json=body) as resp:
             assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    break  # first chunk, then hang up
+            for _ in read_chunks(resp.iter_lines()):
+                break  # first chunk, then hang up
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         stats = ensemble.stats(decode)
@@ -135,10 +135,7 @@ def test_a_queue_entry_delivered_twice_is_decoded_once(ensemble, offline, prompt
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", f"{ensemble.router_url}/v1/completions", json=body) as resp:
             assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[len("data: "):])
+            for data in read_chunks(resp.iter_lines()):
                 errors += [data["error"]] if "error" in data else []
                 usage = data.get("usage") or usage
                 text += "".join(c.get("text") or "" for c in data.get("choices") or [])

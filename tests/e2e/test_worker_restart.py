@@ -5,7 +5,6 @@ Real processes throughout (the fault is SIGKILL of the worker process)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -14,6 +13,7 @@ import httpx
 import psutil
 import pytest
 
+from pdserve.loadtest.sse import read_chunks
 from support.ensemble import Ensemble
 
 MODEL = "smollm2-135m-instruct"
@@ -36,10 +36,7 @@ def stream(ensemble: Ensemble, body: dict, on_text=None) -> tuple[str, str | Non
     with httpx.Client(timeout=300) as http:
         with http.stream("POST", f"{ensemble.router_url}/v1/completions", json={**body, "stream": True}) as resp:
             assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[len("data: "):])
+            for data in read_chunks(resp.iter_lines()):
                 assert "error" not in data, data
                 for choice in data["choices"]:
                     text += choice.get("text") or ""

@@ -7,13 +7,13 @@ the abort on ``pdserve:abort``.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
 import httpx
 import pytest
 
+from pdserve.loadtest.sse import read_chunks
 from pdserve.shared.protocol import keys
 
 MODEL = "smollm2-135m-instruct"
@@ -46,8 +46,8 @@ def test_streaming_client_disconnect_aborts_the_request(router, slow_worker, red
     with httpx.stream("POST", router.url + "/v1/chat/completions", json={**LONG, "stream": True},
                       timeout=30) as resp:
         assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+        for chunk in read_chunks(resp.iter_lines()):
+            if chunk["choices"][0]["delta"].get("content"):
                 break  # the first text chunk: leave now
     (received,) = slow_worker.received
     rid = received.request.request_id

@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 
+from pdserve.loadtest.sse import read_chunks
 MODEL = "smollm2-135m-instruct"
 MSGS = [{"role": "user", "content": "Hi"}]
 
@@ -288,14 +289,14 @@ def test_request_over_the_concurrency_limit_gets_429_with_retry_after(redis_url,
     try:
         with httpx.stream("POST", limited.url + "/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": "Hi", "max_tokens": 40, "stream": True}) as first:
-            lines = first.iter_lines()  # (dropping this iterator would close the stream: a client disconnect)
-            next(lines)  # the first request is being served
+            chunks = read_chunks(first.iter_lines())  # (dropping it would close the stream: a client disconnect)
+            next(chunks)  # the first request is being served
             resp = httpx.post(limited.url + "/v1/completions", json=completion(max_tokens=5)[1], timeout=30)
             assert_error(resp, 429, "RateLimitError", None)
             assert int(resp.headers["retry-after"]) >= 1
             assert len(worker.received) == 1
-            rest = list(lines)
-        assert "data: [DONE]" in rest
+            rest = list(chunks)  # read strictly to data: [DONE]
+        assert rest[-1]["choices"][0]["finish_reason"] == "length"
         worker.delay_s = 0.0
         assert httpx.post(limited.url + "/v1/completions", json=completion(max_tokens=5)[1],
                           timeout=30).status_code == 200

@@ -7,12 +7,11 @@ worker's events turned into OpenAI responses and SSE chunks.
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
 
+from pdserve.loadtest.sse import read_chunks
 from pdserve.shared.protocol import keys
 from stand_in_worker import PARIS
 
@@ -118,10 +117,7 @@ def test_raw_sse_stream_format(router, worker):
     with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in resp.iter_lines() if line and not line.startswith(":")]
-    assert all(line.startswith("data: ") for line in lines)
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        chunks = list(read_chunks(resp.iter_lines()))  # only data lines, ending with data: [DONE]
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
     assert len({c["id"] for c in chunks}) == 1
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -151,9 +147,8 @@ def test_models_lists_the_served_model_with_its_context_length(client):
 def test_worker_error_mid_stream_is_an_sse_error_event_then_done(router, worker):
     body = {"model": "smollm2-135m-instruct", "prompt": "TRIGGER_WORKER_ERROR", "stream": True}
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as resp:
-        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:]) == {"error": {"message": "the stand-in worker failed",
+        chunks = list(read_chunks(resp.iter_lines()))
+    assert chunks[-1] == {"error": {"message": "the stand-in worker failed",
                                                    "type": "InternalServerError", "param": None, "code": 500}}
 
 
