@@ -171,7 +171,13 @@ def compute_metrics(
     for stat, value in stats_ms(lags, [99.0]).items():
         result[f"{stat}_send_lag_ms"] = value
     result["max_send_lag_ms"] = max(lags, default=0.0) * 1000.0
-    result["mean_queue_wait_ms"] = stats_ms(waits, [])["mean"]
+    # The client's own --max-concurrency queue: TTFT and E2EL start when a request is sent, so a request that
+    # waited for a slot looks fast; a user sees wait + latency (the queue-inclusive latencies).
+    done = [r for r in records if r.success]
+    for name, values in (("queue_wait", waits), ("ttft_incl_queue", [r.queue_wait + r.ttft for r in done]),
+                         ("e2el_incl_queue", [r.queue_wait + r.latency for r in done])):
+        for stat, value in stats_ms(values, sorted(set(percentiles) | {99.0})).items():
+            result[f"{stat}_{name}_ms"] = value
 
     result["input_lens"] = input_lens
     result["output_lens"] = output_lens

@@ -112,6 +112,13 @@ def format_table(result: dict[str, Any], percentile_metrics: Sequence[str], perc
         for p in percentiles:
             key = percentile_key(p)
             row(f"P{key[1:]} {short} (ms):", result[f"{key}_{name}_ms"])
+    # beside TTFT/E2EL, which start at the send: the client's own --max-concurrency queue and the latencies a user
+    # waiting in it sees
+    lines.append("{s:{c}^{n}}".format(s="Client Queue (--max-concurrency)", n=w, c="-"))
+    for name, short in (("queue_wait", "queue wait"), ("ttft_incl_queue", "TTFT incl. queue"),
+                        ("e2el_incl_queue", "E2EL incl. queue")):
+        row(f"Mean {short} (ms):", result.get(f"mean_{name}_ms"))
+        row(f"P99 {short} (ms):", result.get(f"p99_{name}_ms"))
     lines.append("{s:{c}^{n}}".format(s="Client", n=w, c="-"))
     row("P99 send lag (ms):", result["p99_send_lag_ms"])
     row("P99 event-loop lag (ms):", result["p99_client_loop_lag_ms"])

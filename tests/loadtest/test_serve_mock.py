@@ -182,3 +182,24 @@ def test_warmup_requests_are_sent_but_not_measured(mock, tmp_path):
     assert mock.generation_requests() - before == 5
     res = json.loads(out.read_text())
     assert res["completed"] == 3 and len(res["ttfts"]) == 3 and res["num_warmups"] == 2
+
+
+def test_queue_wait_for_a_concurrency_slot_is_printed_beside_ttft_and_e2el(mock, tmp_path):
+    """8 requests at once through one slot: each waits for the ones before it. TTFT and E2EL start at the send
+    and hide that wait; the queue-inclusive latencies count it."""
+    out = tmp_path / "queued.json"
+    r = serve("--base-url", mock.url, "--model", "mock-model", "--tokenizer", TOKENIZER, "--num-prompts", "8",
+              "--random-input-len", "8", "--random-output-len", "4", "--request-rate", "inf",
+              "--max-concurrency", "1", "--save-result", str(out))
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    # request i waits for the i before it, each at least the mock's 50 ms TTFT + 3 x 10 ms ITL
+    assert res["mean_queue_wait_ms"] >= 3.5 * 80.0
+    assert res["mean_e2el_incl_queue_ms"] == pytest.approx(res["mean_queue_wait_ms"] + res["mean_e2el_ms"])
+    assert res["mean_ttft_incl_queue_ms"] == pytest.approx(res["mean_queue_wait_ms"] + res["mean_ttft_ms"])
+    assert res["p99_e2el_incl_queue_ms"] > res["p99_e2el_ms"]
+    printed = {line.split(":")[0]: float(line.split()[-1]) for line in r.output.splitlines()
+               if "incl. queue" in line or "queue wait" in line}
+    assert printed["Mean queue wait (ms)"] == pytest.approx(res["mean_queue_wait_ms"], abs=0.01)
+    assert printed["Mean E2EL incl. queue (ms)"] == pytest.approx(res["mean_e2el_incl_queue_ms"], abs=0.01)
+    assert printed["P99 TTFT incl. queue (ms)"] == pytest.approx(res["p99_ttft_incl_queue_ms"], abs=0.01)
