@@ -45,7 +45,7 @@ from .middleware import GuardMiddleware, StatusCounter
 from .tenancy import tenant_cache_salt
 from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, echo_only, echo_prefixes,
                      generation_defaults, requested_max_tokens)
-from .prompts import PromptProcessor
+from .prompts import PromptProcessor, prompt_count
 from .migration import Migrator, health_url
 from .prefill_watch import PrefillWatch
 from .relay import ChoiceRoute, OutputRelay, abort_requests
@@ -71,8 +71,9 @@ class RouterState:
     defaults: dict[str, Any]
     created: int = field(default_factory=lambda: int(time.time()))
     active: int = 0  # requests between submit and finish
-    queued: int = 0  # admitted requests not decoding yet (in a queue, in prefill, or waiting for a decode slot)
-    queued_tokens: int = 0  # their prompt tokens (all choices)
+    queued: int = 0  # admitted choices (prompts x n) not decoding yet (in a queue, in prefill, or waiting for a
+    # decode slot): what --max-queued-requests bounds, so a list of prompts counts each of them
+    queued_tokens: int = 0  # their prompt tokens
     # This incarnation, named in every request it enqueues: decode pods drop the requests of a router gone
     router_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -88,9 +89,8 @@ class Job:
     builder: ResponseBuilder
     closed: bool = False
     routes: list[ChoiceRoute] = field(default_factory=list)  # per choice: its current request and tokens sent
-    queued_tokens: int = 0  # what this job adds to RouterState.queued_tokens until it is decoding
-    queued: bool = False
-    decoding: set[int] = field(default_factory=set)  # choices whose decode pod has generated (or that finished)
+    # choice index -> its prompt tokens, for the choices counted in RouterState.queued until they are decoding
+    waiting: dict[int, int] = field(default_factory=dict)
 
 
 def _version() -> str:
@@ -215,7 +215,9 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
     # SIGTERM drains (``DrainingServer`` runs it); before the lifespan starts nothing is in flight
     app.state.drain = Drain(settings.shutdown_grace_s, settings.retry_after_s,
                             lambda: getattr(getattr(app.state, "router", None), "active", 0))
-    app.add_middleware(GuardMiddleware, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_keys=settings.api_keys, max_body_bytes=settings.max_body_bytes,
+                       json_paths=frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}),
+                       body_timeout_s=settings.http_body_timeout_s)
     app.add_middleware(DrainGate, drain=app.state.drain)  # outside the key check: a draining router says so to all
     # Added last = outermost: it also counts the guard's 401s and 413s.
     app.add_middleware(StatusCounter, counter=app.state.metrics.requests,
@@ -236,13 +238,20 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
 
     # ---- model / health / metrics ------------------------------------------------------------
 
+    async def model_card(st: RouterState) -> dict[str, Any]:
+        return {"id": settings.served_name, "object": "model", "created": st.created, "owned_by": "pdserve",
+                "root": settings.model, "parent": None,
+                "max_model_len": await st.dispatcher.context_limit(processor.max_model_len), "permission": []}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        st = state(request)
-        return {"object": "list", "data": [{
-            "id": settings.served_name, "object": "model", "created": st.created, "owned_by": "pdserve",
-            "root": settings.model, "parent": None,
-            "max_model_len": await st.dispatcher.context_limit(processor.max_model_len), "permission": []}]}
+        return {"object": "list", "data": [await model_card(state(request))]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
+        """OpenAI's ``models.retrieve``: the served model's card (by its served name or ``--model``), else 404."""
+        check_model(model)
+        return await model_card(state(request))
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -305,7 +314,9 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
             check_model(req.model)
             ids = await anyio.to_thread.run_sync(
                 lambda: processor.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        return {"count": len(ids), "max_model_len": processor.max_model_len, "tokens": ids, "token_strs": None}
+        # the limit requests are held to (a decode pod's smaller KV cache lowers it), as /v1/models reports it
+        limit = await state(request).dispatcher.context_limit(processor.max_model_len)
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -326,6 +337,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                 tools=req.tools))
             prompts, prompt_param = [ids], "messages"
         else:
+            listed = prompt_count(req.prompt)
+            if listed > settings.max_prompts_per_request:
+                raise errors.bad_request(f"prompt lists {listed} prompts; at most {settings.max_prompts_per_request} "
+                                         "are accepted in one request (--max-prompts-per-request)", "prompt")
             prompts = await anyio.to_thread.run_sync(
                 lambda: processor.prompt_token_ids(req.prompt, req.add_special_tokens))
             prompt_param = "prompt"
@@ -348,11 +363,18 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                               headers=retry)
         # Admission on what is not decoding yet: bounded queues keep admitted requests' latency bounded under
         # overload (the surplus is told to come back instead of queueing without end). See ``started_decoding``
-        # for why the first token is not the end of the queue.
+        # for why the first token is not the end of the queue. Every choice (prompt x n) is one queued request.
         new_tokens = sum(len(ids) for ids in p.prompts) * p.n
-        if settings.max_queued_requests and st.queued >= settings.max_queued_requests:
+        total = len(p.prompts) * p.n
+        max_queued = settings.max_queued_requests
+        if max_queued and total > max_queued:  # could never be admitted: not worth a retry
+            raise errors.bad_request(
+                f"This request has {total} choices ({len(p.prompts)} prompts x n={p.n}); the server queues at most "
+                f"{max_queued} at once (--max-queued-requests): send fewer prompts or a smaller n",
+                "prompt" if len(p.prompts) > 1 else "n")
+        if max_queued and st.queued + total > max_queued:
             raise OpenAIError(429, f"{st.queued} requests are waiting for prefill or a decode slot (limit "
-                                   f"{settings.max_queued_requests}); retry later", headers=retry)
+                                   f"{max_queued}); retry later", headers=retry)
         if settings.max_queued_prompt_tokens and st.queued and \
                 st.queued_tokens + new_tokens > settings.max_queued_prompt_tokens:
             raise OpenAIError(429, f"{st.queued_tokens} prompt tokens are waiting for prefill or a decode slot "
@@ -363,7 +385,6 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         response_id = f"{prefix}-{client_id or uuid.uuid4().hex}"
         # A client may reuse its id (retries): internal ids must stay unique, they name the output streams.
         stem = f"{response_id}-{uuid.uuid4().hex[:8]}" if client_id else response_id
-        total = len(p.prompts) * p.n
         request_ids = [stem] if total == 1 else [f"{stem}-{i}" for i in range(total)]
         pods: list[str] = []
         want_logprobs = bool(req.logprobs) if kind == "chat" else req.logprobs is not None
@@ -377,9 +398,10 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                   echo=echo_prefixes(req, p.prompts, processor.decode), echo_only=echo_only(req),
                                   num_logprobs=(req.logprobs or 0) if kind != "chat" else 0,
                                   prompt_logprobs=req.prompt_logprobs)
-        job = Job(response_id, request_ids, pods, arrival, builder, queued_tokens=new_tokens, queued=True)
+        job = Job(response_id, request_ids, pods, arrival, builder,
+                  waiting={i: len(p.prompts[i // p.n]) for i in range(total)})
         st.active += 1
-        st.queued += 1
+        st.queued += total
         st.queued_tokens += new_tokens
         st.metrics.running.inc()
         cache_salt = tenant_cache_salt(req.cache_salt, getattr(request.state, "api_key_id", None)) \
@@ -443,11 +465,13 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         lasted); the second token comes from the decode pod's running batch."""
         return event.finished or event.error is not None or event.completion_tokens >= 2
 
-    def dequeue(st: RouterState, job: Job) -> None:
-        if job.queued:
-            job.queued = False
-            st.queued -= 1
-            st.queued_tokens -= job.queued_tokens
+    def dequeue(st: RouterState, job: Job, choices: Any = None) -> None:
+        """Stop counting ``choices`` (default: all) of ``job`` as queued."""
+        for index in list(job.waiting) if choices is None else choices:
+            tokens = job.waiting.pop(index, None)
+            if tokens is not None:
+                st.queued -= 1
+                st.queued_tokens -= tokens
 
     def record_finish(st: RouterState, job: Job) -> None:
         st.metrics.prompt_tokens.inc(sum(job.builder.prompt_lens))
@@ -470,10 +494,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                 redis_retry_s=settings.redis_retry_s,
                                 stop=(app.state.drain.expired, app.state.drain.error), watch=watch)
             async for index, event in relay:
-                if job.queued and started_decoding(event):
-                    job.decoding.add(index)
-                    if len(job.decoding) == len(job.routes):
-                        dequeue(st, job)
+                if index in job.waiting and started_decoding(event):
+                    dequeue(st, job, (index,))
                 timings[index].on_event(st.metrics, event)
                 if event.error is not None:
                     err = event.error
@@ -521,12 +543,9 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         async def chunks() -> AsyncIterator[str]:
             complete = False
             try:
-                for chunk in job.builder.role_chunks():
-                    yield json.dumps(chunk, ensure_ascii=False)
                 try:
                     async for index, event in events(st, job):
-                        chunk = job.builder.on_event(index, event)
-                        if chunk is not None:
+                        for chunk in job.builder.stream_chunks(index, event):
                             yield json.dumps(chunk, ensure_ascii=False)
                 except OpenAIError as exc:
                     await finish(st, job, aborted=True, reason=exc.type)
@@ -544,7 +563,9 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                 if not complete:
                     await finish(st, job, aborted=True)
 
-        return _ClosingEventSource(chunks(), lambda: finish(st, job, aborted=True), sep="\n", ping=15)
+        # Only data lines unless keep-alive comments are asked for (settings.sse_ping_s): see pdserve.loadtest.sse.
+        return _ClosingEventSource(chunks(), lambda: finish(st, job, aborted=True), sep="\n",
+                                   ping=settings.sse_ping_s)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:

@@ -47,7 +47,17 @@ from .settings import RouterSettings
               help="Move a stalled choice off a decode pod that left the registry after this long (0 = never).")
 @click.option("--max-migrations", type=int, default=None, help="Moves per choice before it fails with 503.")
 @click.option("--max-queued-requests", type=int, default=None,
-              help="Requests waiting for their first token; more get 429 (0 = no limit).")
+              help="Requests (each prompt x n counts) not decoding yet; more get 429 (0 = no limit).")
+@click.option("--max-prompts-per-request", type=int, default=None,
+              help="Prompts one /v1/completions request may list; more get 400 [default 256].")
+@click.option("--sse-ping-s", type=float, default=None,
+              help="SSE keep-alive comments every this many seconds (0 = none: only data lines) [default 0].")
+@click.option("--http-header-timeout-s", type=float, default=None,
+              help="A request head must arrive within this long, else 408 and close [default 10].")
+@click.option("--http-body-timeout-s", type=float, default=None,
+              help="A request body must arrive within this long of its head, else 408 [default 60].")
+@click.option("--http-keep-alive-s", type=float, default=None,
+              help="Close an idle keep-alive connection after this long [default 5].")
 @click.option("--max-queued-prompt-tokens", type=int, default=None,
               help="Prompt tokens waiting for prefill; more get 429 (0 = no limit).")
 @click.option("--shutdown-grace-s", type=float, default=None,
@@ -60,14 +70,13 @@ def command(**flags: Any) -> None:
 
     from .app import create_app
     from .drain import DrainingServer
+    from .server import server_config
 
     settings = RouterSettings(**{k: v for k, v in flags.items() if v is not None})
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=5)
-    DrainingServer(config, app.state.drain).run()  # SIGTERM drains first (drain.py)
+    DrainingServer(server_config(app, settings), app.state.drain).run()  # SIGTERM drains first (drain.py)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,14 @@ def _message_text(message: ChatMessage, index: int) -> str | None:
     return "\n".join(texts)
 
 
+def prompt_count(prompt: Any) -> int:
+    """How many prompts a completions ``prompt`` holds: 1 for a string or one list of token ids, else the list's
+    length (counted before tokenizing, so an oversized list is refused cheaply)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
 class PromptProcessor:
     """Chat template, tokenization and detokenization for one model.
 

@@ -1,7 +1,8 @@
 """OpenAI response bodies and SSE chunks built from ``OutputEvent``s (no HTTP here).
 
 Shapes are OpenAI's (and vLLM's): ``chat.completion`` / ``chat.completion.chunk`` and ``text_completion``;
-streamed chat opens each choice with a ``{"role": "assistant", "content": ""}`` delta; with
+streamed chat opens each choice with a ``{"role": "assistant", "content": ""}`` delta, sent when the choice's
+first token arrives (as vLLM does: a client measures time to first token at its first chunk); with
 ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk has empty ``choices``
 and the usage. ``usage.prompt_tokens`` counts each prompt once (not once per choice); ``completion_tokens``
 sums the choices.
@@ -169,6 +170,7 @@ class ResponseBuilder:
         self.prompt_logprobs = prompt_logprobs
         self.choices = [ChoiceState(index=i, prompt_tokens=prompt_lens[i // n])
                         for i in range(len(prompt_lens) * n)]
+        self._opened: set[int] = set()  # chat choices whose role chunk went out
 
     @property
     def object_chunk(self) -> str:
@@ -189,12 +191,22 @@ class ResponseBuilder:
 
     # ---- streaming ---------------------------------------------------------------------------
 
-    def role_chunks(self) -> list[dict[str, Any]]:
-        """Chat only: the opening chunk of every choice."""
-        if self.kind != "chat":
-            return []
-        return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}]) for c in self.choices]
+    def role_chunk(self, choice_index: int) -> dict[str, Any]:
+        """Chat: the opening chunk of one choice (the assistant role, empty content)."""
+        return self._chunk([{"index": choice_index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def stream_chunks(self, choice_index: int, event: OutputEvent) -> list[dict[str, Any]]:
+        """The chunks ``event`` adds to the stream: on chat, the choice's role chunk before its first event's
+        (never earlier: that chunk would arrive before the prompt was processed), then ``on_event``'s."""
+        out = []
+        if self.kind == "chat" and choice_index not in self._opened:
+            self._opened.add(choice_index)
+            out.append(self.role_chunk(choice_index))
+        chunk = self.on_event(choice_index, event)
+        if chunk is not None:
+            out.append(chunk)
+        return out
 
     def on_event(self, choice_index: int, event: OutputEvent) -> dict[str, Any] | None:
         """Record ``event`` for the choice and return its chunk (None when there is nothing to send)."""

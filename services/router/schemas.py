@@ -87,9 +87,10 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingFields(_Body):
-    """Sampling fields common to both endpoints (OpenAI + vLLM extensions)."""
+    """Sampling fields common to both endpoints (OpenAI + vLLM extensions). ``model`` is required, as OpenAI
+    requires it (vLLM defaults it to the served model; a missing one here is a 400 naming ``model``)."""
 
-    model: str | None = None
+    model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None

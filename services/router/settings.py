@@ -85,6 +85,20 @@ class RouterSettings(BaseSettings):
     shutdown_grace_s: float = Field(30.0, ge=0)
     # Retry-After (s) sent with 503 when no decode pod is alive, and with 429.
     retry_after_s: int = Field(1, ge=0)
+    # SSE keep-alive comments (": ping - <time>") every this many seconds on a stream; 0 = none (default, as vLLM:
+    # clients such as vLLM's benchmark json-decode every non-empty line and fail on a comment). Opt in only for
+    # a proxy that cuts idle connections while a long prompt is prefilled.
+    sse_ping_s: float = Field(0.0, ge=0)
+    # Prompts one /v1/completions request may list; more get 400 naming "prompt". Each prompt x n is one choice,
+    # and every choice counts against --max-queued-requests.
+    max_prompts_per_request: int = Field(256, gt=0)
+    # HTTP guards against clients that hold connections open without finishing a request (slowloris): a request
+    # head (request line and headers) must arrive within http_header_timeout_s of the connection opening or of
+    # the previous response, a request body within http_body_timeout_s of its head (408 otherwise); an idle
+    # keep-alive connection is closed after http_keep_alive_s.
+    http_header_timeout_s: float = Field(10.0, gt=0)
+    http_body_timeout_s: float = Field(60.0, gt=0)
+    http_keep_alive_s: float = Field(5.0, gt=0)
     log_level: str = "info"
 
     @property

@@ -12,6 +12,7 @@ import uvicorn
 
 from pdserve.services.router.app import create_app
 from pdserve.services.router.prompts import PromptProcessor
+from pdserve.services.router.server import server_config
 from pdserve.services.router.settings import RouterSettings
 from pdserve.shared.protocol.registry import PodInfo
 
@@ -31,12 +32,13 @@ class ThreadServer:
     thread: threading.Thread
 
     @classmethod
-    def start(cls, app) -> ThreadServer:
+    def start(cls, app, config: uvicorn.Config | None = None) -> ThreadServer:
+        """``config``: a ready ``uvicorn.Config`` for ``app`` (default: uvicorn's defaults)."""
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        server = uvicorn.Server(config or uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         for _ in range(400):
@@ -81,6 +83,8 @@ class RouterServer:
 
 
 def start_router(settings: RouterSettings, processor: PromptProcessor, pods: Pods) -> RouterServer:
-    """The router (its real RegistryClient, Redis client and uvicorn) on a free loopback port."""
-    http = ThreadServer.start(create_app(settings, processor=processor))
+    """The router (its real RegistryClient, Redis client and uvicorn, configured as ``pdserve router`` does) on
+    a free loopback port."""
+    app = create_app(settings, processor=processor)
+    http = ThreadServer.start(app, server_config(app, settings, log_level="warning", timeout_graceful_shutdown=2))
     return RouterServer(http.url, settings, pods, http)

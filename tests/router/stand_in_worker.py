@@ -31,11 +31,13 @@ class Received:
 
 
 class StandInWorker:
-    def __init__(self, redis_url: str, tokenizer, pod_ids: list[str], delay_s: float = 0.0) -> None:
+    def __init__(self, redis_url: str, tokenizer, pod_ids: list[str], delay_s: float = 0.0,
+                 prefill_s: float = 0.0) -> None:
         self.redis_url = redis_url
         self.tokenizer = tokenizer
         self.pod_ids = pod_ids
-        self.delay_s = delay_s
+        self.delay_s = delay_s  # between tokens
+        self.prefill_s = prefill_s  # before the first token (the prompt's prefill)
         self.received: list[Received] = []
         self.aborted: set[str] = set()
         self.abort_seen = threading.Event()
@@ -132,6 +134,8 @@ class StandInWorker:
             generated: list[int] = []
             text_so_far = ""
             k = params.get("logprobs")
+            if self.prefill_s:
+                time.sleep(self.prefill_s)
             for token in script[: params["max_tokens"]]:
                 if req.request_id in self.aborted or self._stop.is_set():
                     return

@@ -15,7 +15,7 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 def chat(**kw) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"messages": MSGS, **kw})
+    return ChatCompletionRequest.model_validate({"model": "smol", "messages": MSGS, **kw})
 
 
 def test_unset_max_tokens_fills_the_context():
@@ -45,7 +45,7 @@ def test_sampling_params_follow_the_request():
 
 def test_chat_without_logprobs_asks_for_none_and_completions_take_an_int():
     assert build_sampling_params(chat(), 5, {})["logprobs"] is None
-    completion = CompletionRequest.model_validate({"prompt": "x", "logprobs": 2})
+    completion = CompletionRequest.model_validate({"model": "smol", "prompt": "x", "logprobs": 2})
     assert build_sampling_params(completion, 5, {})["logprobs"] == 2
 
 

@@ -58,3 +58,16 @@ def test_router_process_serves_the_openai_client(router_process, worker):
     assert worker.received[0].request.sampling_params["max_tokens"] == 2048 - resp.usage.prompt_tokens
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=router_process + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_access_log_never_shows_a_key_sent_in_the_query_string(router_process, tmp_path):
+    resp = httpx.get(router_process + "/v1/models?api_key=sk-in-the-query&x=1", timeout=10,
+                     headers={"Authorization": "Bearer secret-key"})
+    assert resp.status_code == 200
+    log = tmp_path / "router.log"
+    deadline = time.monotonic() + 10
+    while "GET /v1/models?" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    text = log.read_text()
+    assert "GET /v1/models?api_key=<redacted>&x=<redacted> HTTP/1.1" in text
+    assert "sk-in-the-query" not in text

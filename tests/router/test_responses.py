@@ -19,12 +19,12 @@ def ev(i, tokens, text, done=None, total=0, lps=None) -> OutputEvent:
 
 def test_chat_chunks_open_with_the_role_and_close_with_the_finish_reason():
     b = builder(include_usage=True)
-    (opening,) = b.role_chunks()
+    opening, first = b.stream_chunks(0, ev(0, [1], "Hel", total=1))  # the role goes out with the first token
     assert opening == {"id": "id-1", "object": "chat.completion.chunk", "created": 1000, "model": "smol",
                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}], "usage": None}
-    assert b.on_event(0, ev(0, [1], "Hel", total=1))["choices"][0]["delta"] == {"content": "Hel"}
-    assert b.on_event(0, ev(0, [9], "", total=2)) is None  # nothing to show yet (held-back text)
+    assert first["choices"][0]["delta"] == {"content": "Hel"}
+    assert b.stream_chunks(0, ev(0, [9], "", total=2)) == []  # nothing to show yet (held-back text)
     last = b.on_event(0, ev(0, [2], "lo", "stop", total=3))
     assert last["choices"][0] == {"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "stop",
                                   "stop_reason": None}
