@@ -43,22 +43,27 @@ MODEL = "smollm2-135m-instruct"
 class Cluster:
     """The children of ``pdserve up`` (``services.up.plan``), started and faulted one by one.
 
-    ``env``: extra ``PDSERVE_*`` settings for every child (e.g. ``PDSERVE_CLAIM_IDLE_S``). ``redis_url``: use
-    this Redis (a test's ``RedisServer``) instead of starting one.
+    ``env``: extra ``PDSERVE_*`` settings for every child (e.g. ``PDSERVE_CLAIM_IDLE_S``); ``child_env``: more
+    for one child by name (``{"decode-0": {"PDSERVE_KV_CACHE_MEMORY": "48MiB"}}``). ``redis_url``: use this Redis
+    (a test's ``RedisServer``) instead of starting one.
     """
 
     def __init__(self, num_prefill: int = 1, num_decode: int = 1, env: dict[str, str] | None = None,
-                 redis_url: str | None = None, log_dir: Path | None = None, startup_timeout_s: float = 600.0) -> None:
+                 redis_url: str | None = None, log_dir: Path | None = None, startup_timeout_s: float = 600.0,
+                 child_env: dict[str, dict[str, str]] | None = None) -> None:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
         self.opts = up.UpOptions(num_prefill=num_prefill, num_decode=num_decode, port=up.free_port(),
                                  redis_url=redis_url, log_dir=self.log_dir, engine=dict(env or {}),
                                  startup_timeout_s=startup_timeout_s)
+        self.child_env = dict(child_env or {})
         self.children: list[up.Child] = []
         self.ensemble: up.Ensemble | None = None
 
     def __enter__(self) -> Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children = up.plan(self.opts, self.log_dir)
+        for child in self.children:
+            child.env.update(self.child_env.get(child.name, {}))
         self.ensemble = up.Ensemble(self.children, echo=lambda *a, **k: None)
         try:
             self.ensemble.start(self.opts.startup_timeout_s)
@@ -273,6 +278,8 @@ class Tally:
     scenario: str
     outcomes: list[Outcome] = field(default_factory=list)
     note: str = ""
+    leaked: str = "-"  # what was not back to its baseline once the ensemble was quiet ("0"; "-": not measured)
+    failures: list[str] = field(default_factory=list)  # expectations the scenario saw broken (fail the run)
 
     @property
     def sent(self) -> int:
@@ -293,12 +300,13 @@ class Tally:
 
     def row(self) -> list[str]:
         p99 = self.p99()
+        note = "; ".join(x for x in (*(f"FAILED: {f}" for f in self.failures), self.note) if x)
         return [self.scenario, str(self.sent), str(self.count("completed")), str(self.count("clear_error")),
-                str(self.count("lost")), str(self.wrong), "-" if p99 is None else f"{p99:.2f}", self.note]
+                str(self.count("lost")), self.leaked, str(self.wrong), "-" if p99 is None else f"{p99:.2f}", note]
 
 
 def table(tallies: list[Tally]) -> str:
-    head = ["scenario", "sent", "completed", "clear errors", "lost", "wrong", "p99 s", "note"]
+    head = ["scenario", "sent", "completed", "clear errors", "lost", "leaked", "wrong", "p99 s", "note"]
     rows = [head] + [t.row() for t in tallies]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
@@ -505,25 +513,57 @@ async def redis_restart(cluster: Cluster, server: AofRedis, n: int, max_tokens: 
 @click.option("--overload-10x-s", "ten_x_s", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Length of the 10x open-loop phase (loadtest/overload.py; 0 = skip it).")
 @click.option("--max-tokens", type=click.IntRange(min=4), default=16, show_default=True)
+@click.option("--only", default=None, metavar="ROWS",
+              help="Comma-separated rows to run: the fault rows' issue items (1,6,7,8,9,10,11; loadtest/faults.py), "
+                   "'classic' (the rows above them) and '10x' [default: all].")
+@click.option("--fault-bound-s", type=click.FloatRange(min=1), default=90.0, show_default=True,
+              help="Fault rows: a request with no answer within this is lost (twice it for the KV-cache row).")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 def command(n: int, storm: int, overload_n: int, max_queued: int, max_queued_tokens: int, ten_x_s: float,
-            max_tokens: int, log_dir: Path | None) -> None:
+            max_tokens: int, only: str | None, fault_bound_s: float, log_dir: Path | None) -> None:
     """Run every fault scenario against fresh local ensembles and print the table."""
+    from pdserve.loadtest import faults
+    rows = {r.strip() for r in only.split(",") if r.strip()} if only else {"classic", "10x", *faults.ITEMS}
+    unknown = rows - {"classic", "10x", *faults.ITEMS}
+    if unknown:
+        raise click.BadParameter(f"unknown rows {sorted(unknown)}", param_hint="--only")
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
+    tallies: list[Tally] = []
+    if "classic" in rows:
+        tallies += classic(n, storm, overload_n, max_queued, max_tokens, log_dir)
+    if rows & set(faults.ITEMS):
+        tallies += faults.run(rows, n, log_dir, lambda m: click.echo(m, err=True), bound_s=fault_bound_s)
+    detail, ten_x_ok = "", True
+    if ten_x_s > 0 and "10x" in rows:
+        from pdserve.loadtest import overload as ov
+        with Cluster(1, 1, ov.limits_env(max_queued, max_queued_tokens), log_dir=log_dir / "overload") as cluster:
+            result = ov.run(cluster, clients=max_queued, duration_s=ten_x_s, max_tokens=max_tokens,
+                            echo=lambda m: click.echo(m, err=True))
+        tallies.append(ov.tally(result, max_queued))
+        detail, ten_x_ok = ov.report(result), ov.ok(result)
+    click.echo(table(tallies))
+    if detail:
+        click.echo(f"\n10x overload (max_queued_requests {max_queued}, max_queued_prompt_tokens "
+                   f"{max_queued_tokens}):\n{detail}")
+    if any(t.count("lost") or t.wrong or t.failures for t in tallies) or not ten_x_ok:
+        sys.exit(1)
+
+
+def classic(n: int, storm: int, overload_n: int, max_queued: int, max_tokens: int, log_dir: Path) -> list[Tally]:
+    """The first rows: pod deaths, abort storm, overload and a Redis restart with AOF."""
+    from pdserve.loadtest import faults
     env = {"PDSERVE_CLAIM_IDLE_S": "3", "PDSERVE_POD_TTL_S": "8", "PDSERVE_MIGRATION_STALL_S": "1",
            "PDSERVE_DTYPE": "float32"}
     tallies: list[Tally] = []
     with Cluster(2, 2, env, log_dir=log_dir / "pods") as cluster:
         click.echo(f"ensemble up (logs in {cluster.log_dir})", err=True)
-        base = leftovers(cluster)
+        probe = faults.Probe.of(cluster)
+        base = faults.snapshot(probe)
         tallies.append(asyncio.run(abort_storm(cluster, storm, max_tokens)))
-        def clean() -> bool:
-            s = leftovers(cluster)
-            return not s["output_streams"] and not s["pending"] and all(
-                d["kv_blocks_used"] == base["decode"][k]["kv_blocks_used"] and d["kv_active_leases"] == 0
-                for k, d in s["decode"].items())
-        left = "leftovers: " + ("none" if wait_for(clean, 60, 0.5) else json.dumps(leftovers(cluster)))
-        tallies[-1].note = "; ".join(x for x in (left, tallies[-1].note) if x)
+        found = faults.leaks(probe, base, settle_s=60)
+        tallies[-1].leaked = faults.leak_text(found)
+        if found:
+            tallies[-1].failures.append("leaked")
         click.echo(table(tallies[-1:]), err=True)
         tallies.append(asyncio.run(prefill_kill(cluster, n, max_tokens)))
         tallies.append(asyncio.run(decode_kill(cluster, n, max_tokens * 2)))
@@ -540,20 +580,7 @@ def command(n: int, storm: int, overload_n: int, max_queued: int, max_queued_tok
             tallies.append(asyncio.run(redis_restart(cluster, server, n, max_tokens)))
     finally:
         server.stop()
-    detail, ten_x_ok = "", True
-    if ten_x_s > 0:
-        from pdserve.loadtest import overload as ov
-        with Cluster(1, 1, ov.limits_env(max_queued, max_queued_tokens), log_dir=log_dir / "overload") as cluster:
-            result = ov.run(cluster, clients=max_queued, duration_s=ten_x_s, max_tokens=max_tokens,
-                            echo=lambda m: click.echo(m, err=True))
-        tallies.append(ov.tally(result, max_queued))
-        detail, ten_x_ok = ov.report(result), ov.ok(result)
-    click.echo(table(tallies))
-    if detail:
-        click.echo(f"\n10x overload (max_queued_requests {max_queued}, max_queued_prompt_tokens "
-                   f"{max_queued_tokens}):\n{detail}")
-    if any(t.count("lost") or t.wrong for t in tallies) or not ten_x_ok:
-        sys.exit(1)
+    return tallies
 
 
 if __name__ == "__main__":
