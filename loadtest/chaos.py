@@ -6,11 +6,16 @@ what every request got.
 starts its own ensemble (real redis-server, registry, router, prefill and decode workers as processes, the
 same children ``pdserve up`` starts), runs each scenario under load and prints one row per scenario:
 sent, completed, failed with a clear error (an OpenAI error body or error chunk naming the cause), lost
-(no answer, a broken stream, a 5xx without an error body — must be 0), wrong (a completed greedy answer
-that differs from the uninterrupted run's, or duplicated/missing tokens) and the p99 latency of the
-completed requests; the last row is the 10x overload of ``loadtest/overload.py`` (sustainable rate measured,
-then ten times it offered open-loop against the router's admission limits), whose latency and memory tables
-follow the main one. ``tests/chaos`` runs the same scenarios small, as assertions.
+(no answer, a broken stream, a 5xx without an error body — must be 0), leaked (what pods, Redis and routers
+still hold once the ensemble is quiet, beyond what they held before: ``faults.leaks``; "-" where not measured),
+wrong (a completed greedy answer that differs from the uninterrupted run's, or duplicated/missing tokens) and
+the p99 latency of the completed requests. Then the fault rows of issue 12's items 1 and 6-11
+(``loadtest/faults.py``: a full decode KV cache, Redis losing its data, the router's SIGTERM, the registry and
+router killed under ``pdserve up``, a SIGSTOPped prefill worker, a KV port that never answers, a prompt list
+under admission limits). The last row is the 10x overload of ``loadtest/overload.py`` (sustainable rate
+measured, then ten times it offered open-loop against the router's admission limits), whose latency and memory
+tables follow the main one. ``--only`` runs some rows. ``tests/chaos`` runs the same scenarios small, as
+assertions.
 """
 
 from __future__ import annotations

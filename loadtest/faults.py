@@ -22,13 +22,12 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import httpx
 import redis as redis_sync
@@ -195,7 +194,7 @@ async def recovery(url: str, timeout_s: float, words: int = 20) -> float | None:
 
 
 def _seconds(value: float | None, bound_s: float) -> str:
-    return f"{value:.1f} s" if value is not None else f"not within {bound_s:g} s"
+    return f"in {value:.1f} s" if value is not None else f"not within {bound_s:g} s"
 
 
 # ---- item 1: a full decode KV cache ---------------------------------------------------------------------------
@@ -254,11 +253,11 @@ async def redis_data_loss(cluster: Cluster, n: int, how: str, max_tokens: int = 
         outcomes = await asyncio.gather(*tasks, *after)
     label = "FLUSHALL" if how == "flushall" else "SIGKILL, restarted empty"
     tally = Tally(f"6 Redis {label} mid-load", list(outcomes))
-    took = None if recovered is None else recovered + 0.0
     if recovered is None:
         tally.failures.append(f"no request completed within {recover_s:g} s of the fault")
-    tally.note = note(f"{n} streaming at the fault, {n} after; recovered in {_seconds(took, recover_s)} "
-                      f"({time.monotonic() - started:.0f} s to the last answer)", outcome_notes(tally.outcomes))
+    tally.note = note(f"{n} streaming at the fault, {n} after; "
+                      + (f"a new request completed {recovered:.1f} s after it" if recovered is not None else "")
+                      + f" ({time.monotonic() - started:.0f} s to the last answer)", outcome_notes(tally.outcomes))
     return tally
 
 
@@ -580,22 +579,23 @@ async def up_restarts(ens: UpProcess, n: int, max_tokens: int = 32, bound_s: flo
         outcomes += await asyncio.gather(*tasks)
         if back is None or new_pid in (None, old):
             failures.append("registry not restarted")
-        notes.append(f"registry back in {_seconds(back, restart_timeout_s)}")
+        notes.append(f"registry back {_seconds(back, restart_timeout_s)}")
         outcomes += await asyncio.gather(*[bounded(completion(c, ens.router_url, p, max_tokens), bound_s)
                                            for p in texts[n:2 * n]])
         # the router
         tasks = await streams(c, texts[2 * n:3 * n], long=True)
         old = ens.kill("router")
         cut = await asyncio.gather(*tasks)
-        for o in cut:  # the connection closed with the router: the client sees it at once
-            if o.kind == "lost" and o.exception and "no answer" not in o.exception:
-                o.error = {"message": f"connection closed by the router's SIGKILL ({o.exception})"}
+        for o in cut:  # a stream whose connection closed with the router: the client sees it at once
+            if o.kind == "lost" and o.status == 200 and o.exception and \
+                    o.exception.startswith(("RemoteProtocolError", "ReadError")):
+                o.error = {"type": "ConnectionClosed", "message": "the router's SIGKILL closed the stream"}
                 o.exception, o.done = None, True
         outcomes += cut
         back = await wait_ready(ens.router_url + "/health", restart_timeout_s)
         if back is None or ens.pid_of("router") in (None, old):
             failures.append("router not restarted")
-        notes.append(f"router back in {_seconds(back, restart_timeout_s)}")
+        notes.append(f"router back {_seconds(back, restart_timeout_s)}")
         outcomes += await asyncio.gather(*[bounded(completion(c, ens.router_url, p, max_tokens), bound_s)
                                            for p in texts[3 * n:]])
     if ens.proc.poll() is not None:
@@ -612,7 +612,7 @@ async def up_restarts(ens: UpProcess, n: int, max_tokens: int = 32, bound_s: flo
 ITEMS = ("1", "6", "7", "8", "9", "10", "11")
 
 
-def measured(probe: Callable[[], Probe], scenario: Callable[[], Awaitable[Tally]], settle_s: float,
+def measured(probe: Callable[[], Probe], item: str, scenario: Callable[[], Awaitable[Tally]], settle_s: float,
              echo: Callable[[str], None]) -> Tally:
     """Run one scenario between a snapshot and the leak check; a scenario that raises becomes a failed row."""
     base = snapshot(probe())
@@ -620,7 +620,7 @@ def measured(probe: Callable[[], Probe], scenario: Callable[[], Awaitable[Tally]
     try:
         tally = asyncio.run(scenario())
     except Exception as exc:  # a broken harness step must not hide the other rows
-        tally = Tally(getattr(scenario, "__name__", "scenario"), failures=[f"{type(exc).__name__}: {exc}"])
+        tally = Tally(f"{item} (scenario raised)", failures=[f"{type(exc).__name__}: {str(exc)[:200]}"])
     found = leaks(probe(), base, settle_s)
     tally.leaked = leak_text(found)
     if found:
@@ -649,23 +649,23 @@ def run(items: set[str], n: int, log_dir: Path, echo: Callable[[str], None], bou
             ]
             for item, scenario in rows:
                 if item in items:
-                    tallies.append(measured(probe, scenario, settle_s, echo))
+                    tallies.append(measured(probe, item, scenario, settle_s, echo))
             if "11" in items:
                 router = cluster.extra_router({"PDSERVE_MAX_QUEUED_REQUESTS": str(max_queued)})
                 url = router.health_url.removesuffix("/health")
-                tallies.append(measured(probe, lambda: prompt_list(url, max_queued, bound_s=bound_s / 1.5),
+                tallies.append(measured(probe, "11", lambda: prompt_list(url, max_queued, bound_s=bound_s / 1.5),
                                         settle_s, echo))
     if "6" in items:
         with Cluster(1, 1, env, log_dir=log_dir / "redis-loss") as cluster:
             echo(f"fault rows: Redis-loss ensemble up (logs in {cluster.log_dir})")
             for how in ("flushall", "kill"):
-                tallies.append(measured(lambda: Probe.of(cluster),
+                tallies.append(measured(lambda: Probe.of(cluster), "6",
                                         lambda: redis_data_loss(cluster, n, how, bound_s=bound_s / 1.5),
                                         settle_s, echo))
     if "8" in items:
         with UpProcess(log_dir / "up", env) as ens:
             echo(f"fault rows: pdserve up started (logs in {ens.log_dir})")
             # the output streams of the requests cut with the router have no reader left: they expire (TTL)
-            tallies.append(measured(ens.probe, lambda: up_restarts(ens, n, bound_s=bound_s),
+            tallies.append(measured(ens.probe, "8", lambda: up_restarts(ens, n, bound_s=bound_s),
                                     max(settle_s, keys.OUTPUT_TTL_S + 10), echo))
     return tallies
