@@ -42,11 +42,16 @@ def test_leak_check_sees_a_request_held_in_the_ensemble_and_its_release(cluster)
                 return await chaos.completion(c, cluster.router_url, chaos.prompts(1, seed=5)[0], 4)
         worker = threading.Thread(target=lambda: outcome.append(asyncio.run(one())))
         worker.start()
-        held = chaos.wait_for(lambda: faults.leaks(probe, base, settle_s=0), 30, 0.2)
+        seen: dict[str, int] = {}
+
+        def router_holds_it() -> bool:
+            seen.update(faults.leaks(probe, base, settle_s=0))
+            return router_running in seen
+        chaos.wait_for(router_holds_it, 60, 0.2)
     finally:
         cluster.resume(*prefill)
     worker.join(120)
-    assert held.get(router_running) == 1, held
+    assert seen.get(router_running) == 1, seen
     assert outcome and outcome[0].kind == "completed", outcome
     assert faults.leaks(probe, base, settle_s=30) == {}
     assert faults.leak_text({}) == "0"
