@@ -66,9 +66,15 @@ def pending_of(r, consumer: str) -> int:
 def run_with_fault(cluster, texts, max_tokens, fault) -> list[chaos.Outcome]:
     """Stream ``texts`` at once; ``fault()`` runs (in a thread) once they are sent; every outcome, each within
     BOUND_S."""
+    async def bounded(client, prompt):
+        try:  # a whole-request bound: a stream kept open by keep-alives never hits a read timeout
+            return await asyncio.wait_for(chaos.completion(client, cluster.router_url, prompt, max_tokens), BOUND_S)
+        except asyncio.TimeoutError:
+            return chaos.Outcome(exception=f"no answer within {BOUND_S} s", latency_s=BOUND_S)
+
     async def run():
         async with httpx.AsyncClient(timeout=BOUND_S) as client:
-            tasks = [asyncio.create_task(chaos.completion(client, cluster.router_url, p, max_tokens)) for p in texts]
+            tasks = [asyncio.create_task(bounded(client, p)) for p in texts]
             await asyncio.to_thread(fault)
             return await asyncio.gather(*tasks)
     return asyncio.run(run())
