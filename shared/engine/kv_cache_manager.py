@@ -15,8 +15,35 @@ from pdserve.shared.engine.request import Request
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of those, tokens found cached
+    """Prefix-cache lookups in tokens, one per request admitted (a lookup whose allocation failed and is
+    retried next step is not counted twice). Three kinds, never mixed (issue 17.2):
+
+    - ``queries``/``hits``: a new request's prompt (vLLM's ``prefix_cache_queries``/``hits``): tokens whose
+      computation the cache saved.
+    - ``preempted_queries``/``preempted_hits``: a request preempted by recompute looked up again (vLLM's
+      ``PrefixCacheStats.preempted_*``): its own blocks found again are recompute savings, not cache hits.
+    - ``transfer_queries``/``transfer_hits``: a decode pod's reservation for KV arriving over the wire:
+      blocks the sender need not send (nothing is computed either way).
+    """
+
+    queries: int = 0
+    hits: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    transfer_queries: int = 0
+    transfer_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, kind: str = "new") -> None:
+        """``kind``: ``new`` | ``preempted`` | ``transfer``."""
+        if kind == "preempted":
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        elif kind == "transfer":
+            self.transfer_queries += num_tokens
+            self.transfer_hits += num_hits
+        else:
+            self.queries += num_tokens
+            self.hits += num_hits
 
 
 class KVCacheManager:
@@ -36,6 +63,7 @@ class KVCacheManager:
         A prompt that is cached whole still recomputes its last token (its logits are needed), so
         the hit is at most ``num_tokens - 1`` tokens, rounded down to whole blocks. A request that asks for
         ``prompt_logprobs`` gets no hit (vLLM's rule): a cached block holds KV, not the logits of its positions.
+        The caller records the lookup (``record_prefix_cache_stats``) once the request got its blocks.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
@@ -47,10 +75,12 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_tokens = len(blocks) * self.block_size
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_tokens
-        return blocks, num_tokens
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int, kind: str = "new") -> None:
+        """Count one lookup of ``request`` (``kind``: see ``PrefixCacheStats``); nothing with caching off."""
+        if self.enable_caching:
+            self.prefix_cache_stats.record(request.num_tokens, num_hits, kind)
 
     # allocation
     def num_blocks_needed(self, num_tokens: int) -> int:

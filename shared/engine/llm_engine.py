@@ -124,7 +124,8 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self.parked: dict[str, Request] = {}  # prefill-only requests holding blocks for export
         self.reserved: dict[str, Request] = {}  # decode side: blocks reserved for incoming KV
-        self.stats = {"prompt_tokens_computed": 0, "generation_tokens": 0, "peak_kv_blocks_used": 0,
+        self.stats = {"prompt_tokens_computed": 0, "prompt_tokens_recomputed": 0, "generation_tokens": 0,
+                      "sampled_tokens": 0, "peak_kv_blocks_used": 0,
                       "peak_kv_tokens_live": 0, "peak_num_running": 0, "num_steps": 0}
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, backend %s",
                     mc.model_type, str(self.dtype).removeprefix("torch."), num_blocks - 1, config.block_size,
@@ -268,10 +269,18 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return outputs for every request that progressed."""
         out = self.scheduler.schedule()
         if out.is_empty:
+            # A step can preempt every running request and schedule nothing (the pool held by reservations or by
+            # blocks shared with siblings): its swap-outs must still happen, or the swapped request resumes from
+            # CPU blocks that never received its KV (issue 12.B: a seeded choice's text changed under swap).
+            self.kv_cache.swap_out(out.blocks_to_swap_out)
+            self.kv_cache.copy_blocks(out.blocks_to_copy)
             return []
         for request, n in out.scheduled:
-            self.stats["prompt_tokens_computed"] += max(0, min(request.num_computed_tokens + n,
-                                                              request.num_prompt_tokens) - request.num_computed_tokens)
+            start, end = request.num_computed_tokens, request.num_computed_tokens + n
+            redo = max(0, min(end, request.num_tokens_to_recompute) - start)
+            self.stats["prompt_tokens_recomputed"] += redo
+            self.stats["prompt_tokens_computed"] += max(0, min(end, request.num_prompt_tokens) - max(
+                start, request.num_tokens_to_recompute))
         logits, prompt_logits = self.runner.execute_model(out)
         for chunk in prompt_logits:
             self._record_prompt_logprobs(chunk)
@@ -338,6 +347,7 @@ class LLMEngine:
     def _append_token(self, request: Request, token: int, lp, now: float) -> None:
         request.append_output_token(token)
         self.stats["generation_tokens"] += 1
+        self.stats["sampled_tokens"] += 1
         if request.first_token_time is None:
             request.first_token_time = now
         if lp is not None and request.logprobs is not None:
@@ -435,6 +445,7 @@ class LLMEngine:
         computed, num_computed = self.kv_manager.get_computed_blocks(request)
         if self.kv_manager.allocate_slots(request, request.num_tokens - num_computed, computed, cache=False) is None:
             return None
+        self.kv_manager.record_prefix_cache_stats(request, num_computed, "transfer")
         request.num_cached_tokens = num_computed
         self.reserved[request_id] = request
         return len(self.kv_manager.req_to_blocks[request_id]), len(computed)
@@ -483,6 +494,7 @@ class LLMEngine:
         self.groups[request_id] = group
         self.scheduler.add_running(request)
         self._append_token(request, first_token_id, None, time.time())
+        self.stats["sampled_tokens"] -= 1  # the prefill pod sampled it (and counts it)
         _advance(request.generator, 1)
         group.new.pop(0, None)
         group.detoks[0].get_next_output_text(request.is_finished, delta=True)  # the prefill pod sent it already
@@ -494,7 +506,14 @@ class LLMEngine:
 
     # stats
     def get_stats(self) -> dict:
+        """Gauges and running totals (tokens unless named otherwise). ``prompt_tokens_computed``: prompt tokens run
+        through the model the first time; ``prompt_tokens_recomputed``: tokens run again after a recompute
+        preemption; ``generation_tokens``: tokens appended as output (a decode pod counts the first token the prefill
+        pod handed over), ``sampled_tokens``: tokens this engine sampled itself; ``prefix_cache_*``: see
+        ``PrefixCacheStats``; ``cpu_swap_blocks_*``, ``kv_blocks_swapped_*``: the swap pool (0 under recompute)."""
         kv = self.kv_manager
+        pcs = kv.prefix_cache_stats
+        swap = self.scheduler.swap
         live = sum(r.num_computed_tokens for r in self.scheduler.running)
         return {
             "kv_blocks_total": kv.block_pool.num_blocks - 1,
@@ -504,11 +523,25 @@ class LLMEngine:
             "peak_kv_blocks_used": self.stats["peak_kv_blocks_used"],
             "peak_kv_tokens_live": self.stats["peak_kv_tokens_live"],
             "peak_num_running": self.stats["peak_num_running"],
-            "prefix_cache_queries": kv.prefix_cache_stats.queries,
-            "prefix_cache_hits": kv.prefix_cache_stats.hits,
+            # new requests' lookups plus a decode pod's reservations (KV not sent); never a recompute's
+            "prefix_cache_queries": pcs.queries + pcs.transfer_queries,
+            "prefix_cache_hits": pcs.hits + pcs.transfer_hits,
+            "prefix_cache_transfer_queries": pcs.transfer_queries,
+            "prefix_cache_transfer_hits": pcs.transfer_hits,
+            "prefix_cache_preempted_queries": pcs.preempted_queries,
+            "prefix_cache_preempted_hits": pcs.preempted_hits,
             "prompt_tokens_computed": self.stats["prompt_tokens_computed"],
+            "prompt_tokens_recomputed": self.stats["prompt_tokens_recomputed"],
             "generation_tokens": self.stats["generation_tokens"],
+            "sampled_tokens": self.stats["sampled_tokens"],
             "num_preemptions": self.scheduler.num_preemptions,
+            "preemption_mode": self.config.preemption_mode,
+            "num_requests_swapped": self.scheduler.num_swapped,
+            "cpu_swap_blocks_total": swap.num_cpu_blocks if swap is not None else 0,
+            "cpu_swap_blocks_used": swap.num_used_cpu_blocks if swap is not None else 0,
+            "kv_blocks_swapped_out": self.scheduler.num_blocks_swapped_out,
+            "kv_blocks_swapped_in": self.scheduler.num_blocks_swapped_in,
+            "enable_prefix_caching": kv.enable_caching,
             "num_running": len(self.scheduler.running),
             "num_waiting": self.scheduler.num_waiting,
             "num_steps": self.stats["num_steps"],

@@ -47,7 +47,7 @@ class Request:
         "request_id", "prompt_token_ids", "all_token_ids", "sampling_params", "arrival_time", "priority",
         "cache_salt", "eos_token_ids", "num_computed_tokens", "status", "block_hashes", "num_cached_tokens",
         "generator", "max_tokens", "stop_reason", "num_preemptions", "parent_id", "index", "prefill_only",
-        "first_token_time", "logprobs", "cumulative_logprob", "prompt_logprobs",
+        "first_token_time", "logprobs", "cumulative_logprob", "prompt_logprobs", "num_tokens_to_recompute",
     )
 
     def __init__(
@@ -84,6 +84,8 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # tokens whose KV a recompute preemption threw away: computing them again is recompute, not new work
+        self.num_tokens_to_recompute = 0
         self.first_token_time: float | None = None
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None

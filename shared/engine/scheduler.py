@@ -103,6 +103,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_blocks_swapped_out = 0  # device -> CPU block copies, ever
+        self.num_blocks_swapped_in = 0
+
+    @property
+    def num_swapped(self) -> int:
+        """Requests whose KV sits in the CPU swap pool now (vLLM v0's ``num_requests_swapped``)."""
+        return sum(1 for r in self.waiting if r.status == RequestStatus.SWAPPED)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -152,15 +159,18 @@ class Scheduler:
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.status == RequestStatus.SWAPPED:
-                if not self._swap_in(request, out):
-                    break
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                self.kv.allocate_slots(request, num_new)  # the swapped-in blocks cover all but new slots
+                if not self._swap_in(request, num_new, out):
+                    break
+                allocated = self.kv.allocate_slots(request, num_new)  # the swapped-in blocks cover all but new slots
+                assert allocated is not None, "swap-in checked the blocks it needs"
             else:
                 computed, num_computed = self.kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_computed, budget)
                 if self.kv.allocate_slots(request, num_new, computed) is None:
                     break
+                self.kv.record_prefix_cache_stats(request, num_computed,
+                                                  "preempted" if request.num_preemptions else "new")
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed
                 request.num_computed_tokens = num_computed
@@ -186,19 +196,27 @@ class Scheduler:
         self.num_preemptions += 1
         request.num_preemptions += 1
         if self.preemption_mode == "swap" and self.swap is not None and self.swap.can_swap_out(request):
-            out.blocks_to_swap_out.extend(self.swap.swap_out(request))
+            pairs = self.swap.swap_out(request)
+            out.blocks_to_swap_out.extend(pairs)
+            self.num_blocks_swapped_out += len(pairs)
             request.status = RequestStatus.SWAPPED
         else:
             self.kv.free(request)
+            request.num_tokens_to_recompute = max(request.num_tokens_to_recompute, request.num_computed_tokens)
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
         out.preempted.append(request)
         self.waiting.add_front(request)
 
-    def _swap_in(self, request: Request, out: SchedulerOutput) -> bool:
-        if not self.swap.can_swap_in(request):
+    def _swap_in(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        # every block the step needs (swapped-in ones and room for ``num_new`` tokens) must be free now:
+        # a request swapped out mid-prefill resumes with more than one new block's worth of tokens
+        needed = self.kv.num_blocks_needed(request.num_computed_tokens + num_new)
+        if not self.swap.can_swap_in(request, needed):
             return False
-        out.blocks_to_swap_in.extend(self.swap.swap_in(request))
+        pairs = self.swap.swap_in(request)
+        out.blocks_to_swap_in.extend(pairs)
+        self.num_blocks_swapped_in += len(pairs)
         return True
 
     def update_after_step(self, out: SchedulerOutput) -> list[Request]:

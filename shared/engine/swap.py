@@ -28,9 +28,12 @@ class SwapManager:
         self.kv.free(request)
         return list(zip(device_ids, cpu_ids))
 
-    def can_swap_in(self, request: Request) -> bool:
-        # +1: the step that resumes it usually needs one more slot
-        return len(self.req_to_cpu_blocks[request.request_id]) + 1 <= self.kv.block_pool.get_num_free_blocks()
+    def can_swap_in(self, request: Request, num_blocks_needed: int | None = None) -> bool:
+        """Whether the device pool has ``num_blocks_needed`` free blocks (default: the swapped blocks + 1,
+        the slot a decode step usually needs)."""
+        held = len(self.req_to_cpu_blocks[request.request_id])
+        needed = held + 1 if num_blocks_needed is None else max(held, num_blocks_needed)
+        return needed <= self.kv.block_pool.get_num_free_blocks()
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         cpu_ids = self.req_to_cpu_blocks.pop(request.request_id)
