@@ -13,7 +13,7 @@ from typing import Iterable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-PROMPT_TOKENS_TOTAL = "pdserve:prompt_tokens_total"
+PROMPT_TOKENS_TOTAL = "pdserve:prompt_tokens_computed_total"  # prompt tokens a prefill pod computed
 KV_CACHE_USAGE = "pdserve:kv_cache_usage_perc"
 PREFILL_QUEUE_TOKENS = "pdserve:prefill_queue_tokens"
 TTFT = "pdserve:time_to_first_token_seconds"

@@ -475,6 +475,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
 
     def record_finish(st: RouterState, job: Job) -> None:
         st.metrics.prompt_tokens.inc(sum(job.builder.prompt_lens))
+        st.metrics.prompt_tokens_cached.inc(job.builder.cached_tokens)
         for c in job.builder.choices:
             st.metrics.generation_tokens.inc(c.completion_tokens)
             st.metrics.success.labels(settings.served_name, c.finish_reason or "error").inc()

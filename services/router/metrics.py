@@ -43,8 +43,13 @@ class RouterMetrics:
                              m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests",
                                      m, registry=r).labels(model_name)
+        # usage as clients got it: only the router counts these names (workers count compute under other names),
+        # so a sum over every pod of the ensemble is the sum of the responses' usage (README "Metrics")
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens of finished requests",
                                          m, registry=r).labels(model_name)
+        self.prompt_tokens_cached = Counter("pdserve:prompt_tokens_cached",
+                                            "Prompt tokens of finished requests served from a prefix cache "
+                                            "(usage.prompt_tokens_details.cached_tokens)", m, registry=r).labels(model_name)
         self.success = Counter("pdserve:request_success", "Finished choices by finish reason",
                                m + ["finished_reason"], registry=r)
         self.aborted = Counter("pdserve:requests_aborted", "Requests aborted (client gone, timeout, error)",

@@ -176,10 +176,13 @@ class ResponseBuilder:
     def object_chunk(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from a prefix cache: each prompt once, as prompt_tokens (its first choice's hit)."""
+        return sum(self.choices[p * self.n].cached_tokens or 0 for p in range(len(self.prompt_lens)))
+
     def usage(self) -> dict[str, Any]:
-        cached = None
-        if self.prompt_tokens_details:  # each prompt once, as prompt_tokens: its first choice's hit
-            cached = sum(self.choices[p * self.n].cached_tokens or 0 for p in range(len(self.prompt_lens)))
+        cached = self.cached_tokens if self.prompt_tokens_details else None
         return usage(sum(self.prompt_lens), sum(c.completion_tokens for c in self.choices), cached)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:

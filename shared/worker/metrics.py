@@ -6,13 +6,36 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
-# engine stat -> counter name (the engine keeps totals; counters advance by the difference)
+# engine stat -> counter name (the engine keeps totals; counters advance by the difference). Each name means one
+# thing on every pod, so a sum over pods is an ensemble total; the router's client-side counters
+# (``pdserve:prompt_tokens``, ``pdserve:generation_tokens``, ``pdserve:prompt_tokens_cached``) are not
+# repeated here (issue 17.3; README "Metrics").
 _COUNTERS = {
-    "prompt_tokens_computed": ("pdserve:prompt_tokens", "Prompt tokens run through the model"),
-    "generation_tokens": ("pdserve:generation_tokens", "Generated tokens"),
-    "prefix_cache_queries": ("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-    "prefix_cache_hits": ("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    "prompt_tokens_computed": ("pdserve:prompt_tokens_computed",
+                               "Prompt tokens run through the model (not prefix-cache hits, not recompute)"),
+    "prompt_tokens_recomputed": ("pdserve:prompt_tokens_recomputed",
+                                 "Tokens run through the model again after a recompute preemption"),
+    "sampled_tokens": ("pdserve:sampled_tokens",
+                       "Tokens this pod sampled (prefill pod: each request's first; decode pod: the rest)"),
+    "prefix_cache_queries": ("pdserve:prefix_cache_queries",
+                             "Prompt tokens of new requests looked up in the prefix cache before computing"),
+    "prefix_cache_hits": ("pdserve:prefix_cache_hits", "Of those, tokens found cached (not computed)"),
+    "prefix_cache_preempted_queries": ("pdserve:prefix_cache_preempted_queries",
+                                       "Tokens of recompute-preempted requests looked up again on resume"),
+    "prefix_cache_preempted_hits": ("pdserve:prefix_cache_preempted_hits",
+                                    "Of those, tokens found again (recompute saved)"),
+    "prefix_cache_transfer_queries": ("pdserve:kv_transfer_prefix_cache_queries",
+                                      "Prompt tokens of KV reservations looked up in this decode pod's cache"),
+    "prefix_cache_transfer_hits": ("pdserve:kv_transfer_prefix_cache_hits",
+                                   "Of those, tokens already here (their KV was not sent)"),
     "num_preemptions": ("pdserve:num_preemptions", "Preemptions"),
+    "kv_blocks_swapped_out": ("pdserve:kv_blocks_swapped_out", "KV blocks copied to the CPU swap pool"),
+    "kv_blocks_swapped_in": ("pdserve:kv_blocks_swapped_in", "KV blocks copied back from the CPU swap pool"),
+}
+# engine stats that are derived: a queries/hits counter above counts only new requests' lookups
+_DERIVED = {
+    "prefix_cache_queries": lambda s: s["prefix_cache_queries"] - s.get("prefix_cache_transfer_queries", 0),
+    "prefix_cache_hits": lambda s: s["prefix_cache_hits"] - s.get("prefix_cache_transfer_hits", 0),
 }
 
 
@@ -27,6 +50,20 @@ class WorkerMetrics:
         self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting for the engine", names, registry=r).labels(**labels)
         self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)", names, registry=r).labels(**labels)
         self.kv_blocks_used = Gauge("pdserve:kv_blocks_used", "KV blocks held by requests", names, registry=r).labels(**labels)
+        # preemption by swap made visible (issue 12.B): vLLM v0's names, plus the pool in blocks
+        self.swapped = Gauge("pdserve:num_requests_swapped", "Requests whose KV is in the CPU swap pool", names,
+                             registry=r).labels(**labels)
+        self.cpu_usage = Gauge("pdserve:cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (0..1)", names,
+                               registry=r).labels(**labels)
+        self.cpu_blocks_used = Gauge("pdserve:cpu_swap_blocks_used", "CPU swap blocks holding a preempted request's KV",
+                                     names, registry=r).labels(**labels)
+        self.cpu_blocks_total = Gauge("pdserve:cpu_swap_blocks_total", "CPU swap blocks (0: recompute preemption)",
+                                      names, registry=r).labels(**labels)
+        # vLLM's cache_config_info: value 1, the configuration in labels
+        self.cache_config = Gauge("pdserve:cache_config_info", "KV cache configuration (labels; value 1)",
+                                  names + ["preemption_mode", "block_size", "num_gpu_blocks", "num_cpu_blocks",
+                                           "enable_prefix_caching"], registry=r)
+        self._config_labels: dict | None = None
         self.counters = {
             key: Counter(name, doc, names, registry=r).labels(**labels) for key, (name, doc) in _COUNTERS.items()
         }
@@ -44,10 +81,14 @@ class WorkerMetrics:
         self.first_decode_step = Histogram("pdserve:first_decode_step_seconds",
                                            "KV hand-over committed to the decode pod's first token", names,
                                            buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.kv_transfer_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes sent or received", names, registry=r).labels(**labels)
+        # sent on a prefill pod, received on a decode pod: two names, so a sum over pods counts each block once
+        way = "sent" if role == "prefill" else "received"
+        self.kv_transfer_bytes = Counter(f"pdserve:kv_transfer_{way}_bytes", f"KV bytes {way}", names,
+                                         registry=r).labels(**labels)
         self.kv_transfer_seconds = Histogram("pdserve:kv_transfer_seconds", "Time to transfer one request's KV", names,
                                              buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.kv_transfer_blocks = Counter("pdserve:kv_transfer_blocks", "KV blocks sent or received", names, registry=r).labels(**labels)
+        self.kv_transfer_blocks = Counter(f"pdserve:kv_transfer_{way}_blocks", f"KV blocks {way}", names,
+                                          registry=r).labels(**labels)
         self.kv_transfer_blocks_skipped = Counter("pdserve:kv_transfer_blocks_skipped",
                                                   "KV blocks not sent because the decode pod held them", names,
                                                   registry=r).labels(**labels)
@@ -63,11 +104,24 @@ class WorkerMetrics:
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])
         self.kv_blocks_used.set(stats["kv_blocks_used"])
+        cpu_total = stats.get("cpu_swap_blocks_total", 0)
+        self.swapped.set(stats.get("num_requests_swapped", 0))
+        self.cpu_blocks_used.set(stats.get("cpu_swap_blocks_used", 0))
+        self.cpu_blocks_total.set(cpu_total)
+        self.cpu_usage.set(stats.get("cpu_swap_blocks_used", 0) / cpu_total if cpu_total else 0.0)
+        if self._config_labels is None and "preemption_mode" in stats:
+            self._config_labels = {**self.labels, "preemption_mode": stats["preemption_mode"],
+                                   "block_size": str(stats.get("block_size", "")),
+                                   "num_gpu_blocks": str(stats.get("kv_blocks_total", "")),
+                                   "num_cpu_blocks": str(cpu_total),
+                                   "enable_prefix_caching": str(stats.get("enable_prefix_caching", "")).lower()}
+            self.cache_config.labels(**self._config_labels).set(1)
         for key, counter in self.counters.items():
-            delta = stats[key] - self._last[key]
+            value = _DERIVED[key](stats) if key in _DERIVED else stats.get(key, 0)
+            delta = value - self._last[key]
             if delta > 0:
                 counter.inc(delta)
-            self._last[key] = stats[key]
+            self._last[key] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -31,8 +31,8 @@ def decode_metrics(kv_usage: float, tpot_sum: float = 0.0, tpot_count: int = 0) 
 
 
 def prefill_metrics(prompt_tokens_total: float) -> str:
-    return ("# HELP pdserve:prompt_tokens Prompt tokens\n# TYPE pdserve:prompt_tokens counter\n"
-            f"pdserve:prompt_tokens_total {prompt_tokens_total}\n")
+    return ("# HELP pdserve:prompt_tokens_computed Prompt tokens\n# TYPE pdserve:prompt_tokens_computed counter\n"
+            f"pdserve:prompt_tokens_computed_total {prompt_tokens_total}\n")
 
 
 def enqueue(r: redis.Redis, n: int, tokens: int) -> None:
