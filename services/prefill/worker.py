@@ -282,7 +282,7 @@ class PrefillWorker(Worker):
 
     async def handle_outputs(self, outputs, exported) -> None:
         tracked = {o.request_id for o in outputs if o.request_id in self.requests}
-        await publish(self.writer, self.redis, self.events_for(outputs))  # the first token: TTFT
+        await self.publish_outputs(outputs)  # the first token: TTFT; failed requests are aborted (not in inflight)
         for out in outputs:
             rid = out.request_id
             if rid not in tracked or rid not in self.inflight:

@@ -397,7 +397,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                                   prompt_tokens_details=settings.enable_prompt_tokens_details,
                                   echo=echo_prefixes(req, p.prompts, processor.decode), echo_only=echo_only(req),
                                   num_logprobs=(req.logprobs or 0) if kind != "chat" else 0,
-                                  prompt_logprobs=req.prompt_logprobs)
+                                  prompt_logprobs=req.prompt_logprobs,
+                                  token_bytes=processor.token_bytes)
         job = Job(response_id, request_ids, pods, arrival, builder,
                   waiting={i: len(p.prompts[i // p.n]) for i in range(total)})
         st.active += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,10 @@ class PromptProcessor:
         model_max = config.get("max_position_embeddings") or config.get("max_seq_len") or 2048
         self.max_model_len = int(max_model_len or model_max)
         self.vocab_size = max(len(self.tokenizer), int(config.get("vocab_size") or 0))
-        self._token_str = functools.lru_cache(maxsize=65536)(self._decode_one)
+        self._token_str = functools.lru_cache(maxsize=65536)(self._render_one)
+        self.token_bytes = functools.lru_cache(maxsize=65536)(self._bytes_one)
+        self._byte_decoder = _byte_level_decoder(self.tokenizer)
+        self._added = {int(i) for i in self.tokenizer.added_tokens_decoder}
 
     # ---- chat ----------------------------------------------------------------------------
 
@@ -127,9 +131,50 @@ class PromptProcessor:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _bytes_one(self, token_id: int) -> bytes:
+        """The token's own bytes, from the tokenizer's byte mapping (GPT-2 byte-level pieces, or sentencepiece's
+        ``<0xNN>`` byte-fallback pieces); the output text's bytes are these bytes joined."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added:  # added and special tokens are literal text
+            return piece.encode("utf-8")
+        if self._byte_decoder is not None:
+            try:
+                return bytes(self._byte_decoder[ch] for ch in piece)
+            except KeyError:
+                pass
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        if "\u2581" in piece:  # sentencepiece's word boundary
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.tokenizer.decode([token_id]).encode("utf-8")
+
+    def _render_one(self, token_id: int) -> str:
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:  # part of a character: OpenAI's and vLLM's "bytes:\xNN" form
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def token_str(self, token_id: int) -> str:
-        """The text of one token as OpenAI's logprobs show it."""
+        """The text of one token as OpenAI's logprobs show it: its text, or ``bytes:\\xf0\\x9f`` (backslash escapes)
+        for a token that is only part of a UTF-8 character."""
         return self._token_str(token_id)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_decoder(tokenizer) -> dict[str, int] | None:
+    """Piece character -> byte for a byte-level BPE tokenizer (GPT-2's table, which the ``tokenizers``
+    ByteLevel decoder uses); None for other tokenizers."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or "ByteLevel" not in json.dumps(json.loads(backend.to_str()).get("decoder")):
+        return None
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:  # older transformers
+        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    return {ch: b for b, ch in bytes_to_unicode().items()}

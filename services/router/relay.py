@@ -78,13 +78,17 @@ def is_retryable(error: dict[str, Any] | None) -> bool:
 
 def accept(route: ChoiceRoute, event: OutputEvent) -> OutputEvent | None:
     """``event`` without tokens the client already got (``completion_tokens`` counts from the choice's start,
-    across migrations); None to drop it."""
+    across migrations); None to drop it. Raises ``OpenAIError(500)`` when the event starts past the tokens the
+    client has: tokens were lost on the way, and a stream with a hole in it is a wrong answer."""
     n_new = len(event.token_ids)
     total = event.completion_tokens or len(route.token_ids) + n_new
     before = total - n_new  # completion tokens that preceded this event's
     have = len(route.token_ids)
     if before > have:
-        logger.warning("request %s: output skips tokens %d..%d", route.request_id, have, before)
+        logger.error("request %s: output skips tokens %d..%d; failing the request", route.request_id, have,
+                     before - 1)
+        raise OpenAIError(500, f"The output of this request lost tokens {have}..{before - 1} on the way from its "
+                          "worker; the request was aborted")
     skip = max(0, have - before)
     if skip:
         if skip >= n_new and not event.finished:

@@ -16,43 +16,73 @@ response-level one for chat: ``null`` for the first prompt token, then ``{token_
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pdserve.shared.protocol.messages import OutputEvent, TokenLogprob
 
 TokenStr = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
-def _logprob_entry(token_str: TokenStr, token_id: int, logprob: float) -> dict[str, Any]:
-    text = token_str(token_id)
-    return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
+def _utf8_bytes(token_str: TokenStr) -> TokenBytes:
+    return lambda token_id: token_str(token_id).encode("utf-8")
 
 
-def chat_logprobs(token_str: TokenStr, lps: list[TokenLogprob]) -> dict[str, Any]:
-    """OpenAI chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``."""
+def _logprob_entry(token_str: TokenStr, token_bytes: TokenBytes, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": token_str(token_id), "logprob": max(logprob, -9999.0), "bytes": list(token_bytes(token_id))}
+
+
+def chat_logprobs(token_str: TokenStr, lps: list[TokenLogprob], token_bytes: TokenBytes | None = None) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
+    ``bytes`` are each token's own bytes (``token_bytes``; default: its string's UTF-8), so that joining them gives
+    the text's bytes even where a token is only part of a character."""
+    token_bytes = token_bytes or _utf8_bytes(token_str)
     content = []
     for lp in lps:
-        entry = _logprob_entry(token_str, lp.token_id, lp.logprob)
-        entry["top_logprobs"] = [_logprob_entry(token_str, t, v) for t, v in lp.top]
+        entry = _logprob_entry(token_str, token_bytes, lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [_logprob_entry(token_str, token_bytes, t, v) for t, v in lp.top]
         content.append(entry)
     return {"content": content}
 
 
-def completion_logprobs(token_str: TokenStr, lps: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+def completion_logprobs(token_str: TokenStr, lps: list[TokenLogprob], text_offset: int,
+                        token_bytes: TokenBytes | None = None, decoder: codecs.IncrementalDecoder | None = None
+                        ) -> dict[str, Any]:
     """Legacy completions ``logprobs``: parallel lists ``tokens``, ``token_logprobs``, ``top_logprobs``
     (one ``{token: logprob}`` map per position) and ``text_offset`` (character offsets into the choice's text,
-    starting at ``text_offset``)."""
+    starting at ``text_offset``).
+
+    A token that is part of a character counts no characters until the character is complete (``decoder`` carries
+    such a partial character from earlier calls). Two alternatives with the same string (a byte-fallback piece
+    and a whole token, say) keep distinct keys: the less likely one is keyed ``token_id:<id>``, vLLM's form.
+    """
+    return _completion_logprobs(token_str, lps, text_offset, token_bytes or _utf8_bytes(token_str),
+                                decoder or codecs.getincrementaldecoder("utf-8")(errors="replace"))[0]
+
+
+def _completion_logprobs(token_str: TokenStr, lps: list[TokenLogprob], text_offset: int, token_bytes: TokenBytes,
+                         decoder: codecs.IncrementalDecoder) -> tuple[dict[str, Any], int]:
+    """``completion_logprobs`` and the offset after its last token."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset
     for lp in lps:
-        text = token_str(lp.token_id)
-        tokens.append(text)
+        tokens.append(token_str(lp.token_id))
         token_logprobs.append(max(lp.logprob, -9999.0))
-        tops.append({token_str(t): max(v, -9999.0) for t, v in lp.top} if lp.top else None)
+        top = None
+        if lp.top:
+            keys, taken = {lp.token_id: token_str(lp.token_id)}, {token_str(lp.token_id)}  # the chosen one first
+            for t, _ in lp.top:
+                if t not in keys:
+                    key = token_str(t)
+                    keys[t] = key if key not in taken else f"token_id:{t}"
+                    taken.add(keys[t])
+            top = {keys[t]: max(v, -9999.0) for t, v in lp.top}
+        tops.append(top)
         offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+        offset += len(decoder.decode(token_bytes(lp.token_id)))
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
 def _keep_top(entry: list[list], k: int) -> list[list]:
@@ -120,6 +150,10 @@ class ChoiceState:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_len: int = 0
+    # streamed text_offset: characters of the tokens' bytes so far, carrying a partial character between chunks
+    offset_decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    logprob_chars: int = 0
     finished: bool = False
     cached_tokens: int | None = None  # the prompt's prefix-cache hit where it was prefilled (first event)
     prompt_logprobs: list | None = None  # from the pod that computed the prompt (OutputEvent.prompt_logprobs)
@@ -148,16 +182,19 @@ class ResponseBuilder:
                  prompt_lens: list[int], n: int, want_logprobs: bool,
                  include_usage: bool = False, continuous_usage: bool = False,
                  prompt_tokens_details: bool = False, echo: list[tuple[str, list[int]]] | None = None,
-                 echo_only: bool = False, num_logprobs: int = 0, prompt_logprobs: int | None = None) -> None:
+                 echo_only: bool = False, num_logprobs: int = 0, prompt_logprobs: int | None = None,
+                 token_bytes: TokenBytes | None = None) -> None:
         """``echo``: per prompt, the text and token ids each of its choices starts with (completions: the prompt;
         chat: the last message's content, no ids). ``echo_only``: the request scores its prompt (``max_tokens=0``):
         the one token generated is left out. ``num_logprobs``: completions' ``logprobs`` (top entries of echoed
-        prompt positions). ``prompt_logprobs``: vLLM's field, when asked."""
+        prompt positions). ``prompt_logprobs``: vLLM's field, when asked. ``token_bytes``: a token's own bytes
+        (logprobs' ``bytes`` and ``text_offset``; default: its string's UTF-8)."""
         self.kind = kind
         self.id = response_id
         self.model = model
         self.created = created
         self.token_str = token_str
+        self.token_bytes = token_bytes or _utf8_bytes(token_str)
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage and include_usage
@@ -232,12 +269,15 @@ class ResponseBuilder:
         logprobs = None
         if self.want_logprobs and (event.logprobs or echo_lps):
             if self.kind == "chat":
-                logprobs = chat_logprobs(self.token_str, event.logprobs)
-            elif echo_lps is not None:  # one pass of offsets over the prompt and this event's tokens, as vLLM
-                last = echo_lps["text_offset"][-1] + len(echo_lps["tokens"][-1]) if echo_lps["tokens"] else 0
-                logprobs = join_logprobs(echo_lps, completion_logprobs(self.token_str, event.logprobs or [], last))
+                logprobs = chat_logprobs(self.token_str, event.logprobs or [], self.token_bytes)
             else:
-                logprobs = completion_logprobs(self.token_str, event.logprobs, offset)
+                start = choice.logprob_chars
+                if echo_lps is not None:  # one pass of offsets over the prompt and this event's tokens, as vLLM
+                    start = echo_lps["text_offset"][-1] + len(echo_lps["tokens"][-1]) if echo_lps["tokens"] else 0
+                logprobs, choice.logprob_chars = _completion_logprobs(
+                    self.token_str, event.logprobs or [], start, self.token_bytes, choice.offset_decoder)
+                if echo_lps is not None:
+                    logprobs = join_logprobs(echo_lps, logprobs)
         finish = event.finish_reason if event.finished else None
         if event.error is not None:
             finish = "abort"
@@ -265,14 +305,15 @@ class ResponseBuilder:
             logprobs = None
             if self.want_logprobs:
                 if self.kind == "chat":
-                    logprobs = chat_logprobs(self.token_str, c.logprobs)
+                    logprobs = chat_logprobs(self.token_str, c.logprobs, self.token_bytes)
                 elif self.echo is not None:
                     echoed = echo_logprobs(self.token_str, self.echo[c.index // self.n][1], c.prompt_logprobs,
                                            self.num_logprobs)
                     last = echoed["text_offset"][-1] + len(echoed["tokens"][-1]) if echoed["tokens"] else 0
-                    logprobs = join_logprobs(echoed, completion_logprobs(self.token_str, c.logprobs, last))
+                    logprobs = join_logprobs(echoed, completion_logprobs(self.token_str, c.logprobs, last,
+                                                                         self.token_bytes))
                 else:
-                    logprobs = completion_logprobs(self.token_str, c.logprobs, 0)
+                    logprobs = completion_logprobs(self.token_str, c.logprobs, 0, self.token_bytes)
             if self.kind == "chat":
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,

@@ -266,7 +266,8 @@ class LLMEngine:
 
     # the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return outputs for every request that progressed."""
+        """Schedule, run the model once, sample, and return outputs for every request that progressed.
+        The outputs are snapshots: later steps never change them, so another thread may read them."""
         out = self.scheduler.schedule()
         if out.is_empty:
             # A step can preempt every running request and schedule nothing (the pool held by reservations or by
@@ -379,9 +380,12 @@ class LLMEngine:
             finished = request.is_finished
             new_ids = group.new.pop(request.index, [])
             new_text = detok.get_next_output_text(finished, delta=True)
+            # A snapshot: workers format outputs on another thread while the next step appends to the
+            # request's lists (sharing them let a logprob entry of step k+1 pair with a token of step k).
             outputs.append(CompletionOutput(
-                index=request.index, text=detok.output_text, token_ids=request.output_token_ids,
-                cumulative_logprob=request.cumulative_logprob, logprobs=request.logprobs,
+                index=request.index, text=detok.output_text, token_ids=list(request.output_token_ids),
+                cumulative_logprob=request.cumulative_logprob,
+                logprobs=None if request.logprobs is None else list(request.logprobs),
                 finish_reason=FINISH_REASONS.get(request.status), stop_reason=request.stop_reason,
                 new_text=new_text, new_token_ids=new_ids))
         first = group.members[0]

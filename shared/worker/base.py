@@ -26,7 +26,7 @@ from pdserve.shared.protocol.kv_events import KVEventPublisher
 from pdserve.shared.protocol.registry import Heartbeater, PodInfo, RegistryAuthError, RegistryClient
 from pdserve.shared.transport.layout import KVLayout
 from pdserve.shared.protocol.messages import OutputEvent, OutputWriter
-from pdserve.shared.worker.events import publish, to_event
+from pdserve.shared.worker.events import UnpublishableOutput, error_event, publish, to_event
 from pdserve.shared.worker.metrics import WorkerMetrics
 from pdserve.shared.worker.settings import WorkerSettings
 
@@ -61,6 +61,7 @@ class Worker:
         # what a worker loop cannot do right now (loop name -> error), cleared when it succeeds again; /health
         # answers 503 with them, so an operator sees e.g. a lost consumer group while it lasts
         self.faults: dict[str, str] = {}
+        self.unpublishable: set[str] = set()  # requests whose output could not become an event: to fail and abort
 
     # lifecycle
     async def start(self) -> None:
@@ -141,10 +142,39 @@ class Worker:
             try:
                 await self.handle_outputs(outputs, extra)
             except Exception:
-                logger.exception("publishing outputs failed")
+                logger.exception("handling outputs failed")
 
     async def handle_outputs(self, outputs, extra) -> None:
-        await publish(self.writer, self.redis, self.events_for(outputs))
+        await self.publish_outputs(outputs)
+
+    async def publish_outputs(self, outputs) -> None:
+        """Publish a step's events. A request whose output cannot become an event, or whose events could not be
+        written, gets an error event (where Redis allows) and is aborted here: a client's stream ends with an
+        error, never with tokens missing."""
+        try:
+            await publish(self.writer, self.redis, self.events_for(outputs))
+        except Exception as exc:
+            logger.exception("publishing outputs failed")
+            await self._fail_outputs(outputs, exc)
+        while self.unpublishable:
+            await self.abort(self.unpublishable.pop())
+
+    async def _fail_outputs(self, outputs, exc: Exception) -> None:
+        """A step's events were lost (Redis gone past the retry window): those requests can never be complete,
+        so each one gets an error event where possible and stops here -- never a stream that silently skips."""
+        ids = {out.request_id for out in outputs}
+        self.metrics.requests_failed.inc(len(ids))
+        try:
+            await publish(self.writer, self.redis, [
+                error_event(rid, f"The worker could not publish this request's output: {type(exc).__name__}: {exc}",
+                            500, "InternalServerError") for rid in ids], retry_s=5.0)
+        except Exception as exc2:  # the router's gap check or its idle timeout reports these requests then
+            logger.error("could not publish the error of %d requests: %s", len(ids), exc2)
+        for rid in ids:
+            try:
+                await self.abort(rid)
+            except Exception:
+                logger.exception("aborting request %s failed", rid)
 
     def events_for(self, outputs) -> list[OutputEvent]:
         now = time.time()
@@ -154,7 +184,15 @@ class Worker:
             if info is None:  # aborted meanwhile
                 continue
             first = not info.get("sent_first")
-            event = to_event(out, info.get("num_logprobs"), first)
+            try:
+                event = to_event(out, info.get("num_logprobs"), first)
+            except UnpublishableOutput as exc:
+                logger.error("request %s: output cannot be published (%s); failing the request", out.request_id, exc)
+                self.metrics.requests_failed.inc()
+                events.append(error_event(out.request_id, f"The worker could not publish this request's output: "
+                                          f"{exc}", 500, "InternalServerError"))
+                self.unpublishable.add(out.request_id)
+                continue
             events.append(event)
             if first:
                 self.metrics.ttft.observe(now - info["arrival_time"])

@@ -7,16 +7,36 @@ from pdserve.shared.protocol.messages import OutputEvent, OutputWriter, TokenLog
 from pdserve.shared.worker.redis_retry import retry_redis
 
 
+class UnpublishableOutput(ValueError):
+    """A step's output that cannot become a correct event (its logprobs do not match its tokens). The worker
+    fails that request with an error event instead of publishing a wrong or shortened one."""
+
+
 def to_event(out: RequestOutput, num_logprobs: int | None, first: bool) -> OutputEvent:
-    """The step's delta of completion 0 as an event (the router fans n > 1 out into requests)."""
+    """The step's delta of completion 0 as an event (the router fans n > 1 out into requests).
+
+    ``out`` must be the engine's snapshot of the step (``LLMEngine.step``). With logprobs, each new token's
+    ``TokenLogprob.top`` holds the ``num_logprobs`` most likely tokens plus the sampled one when it is not among
+    them (as vLLM returns them). Raises ``UnpublishableOutput`` when a new token has no logprob entry of its own.
+    """
     c = out.outputs[0]
     logprobs = None
     if num_logprobs is not None and c.logprobs is not None and c.new_token_ids:
+        n_new = len(c.new_token_ids)
+        if len(c.logprobs) < n_new:
+            raise UnpublishableOutput(f"{n_new} new tokens but {len(c.logprobs)} logprob entries")
         logprobs = []
-        for token_id, entry in zip(c.new_token_ids, c.logprobs[-len(c.new_token_ids):]):
+        for token_id, entry in zip(c.new_token_ids, c.logprobs[len(c.logprobs) - n_new:]):
+            chosen = entry.get(token_id)
+            if chosen is None:
+                raise UnpublishableOutput(f"the logprob entry of token {token_id} (position "
+                                          f"{len(c.token_ids) - n_new + len(logprobs)}) is not that token's")
             top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num_logprobs),
                          key=lambda item: item[1].rank)
-            logprobs.append(TokenLogprob(token_id, entry[token_id].logprob, [(t, lp.logprob) for t, lp in top]))
+            pairs = [(t, lp.logprob) for t, lp in top]
+            if num_logprobs and token_id not in {t for t, _ in pairs}:
+                pairs.append((token_id, chosen.logprob))
+            logprobs.append(TokenLogprob(token_id, chosen.logprob, pairs))
     return OutputEvent(
         request_id=out.request_id,
         token_ids=list(c.new_token_ids),

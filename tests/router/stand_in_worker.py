@@ -6,7 +6,8 @@ It stands in for the real workers (they have their own tests, with the real engi
 honouring ``max_tokens`` and ``logprobs``; it listens on ``pdserve:abort`` and stops a request when told.
 Prompts that mention France are answered " The capital of France is Paris." then EOS; others get a
 repeating sentence (so long ``max_tokens`` finish by length). A prompt containing ``TRIGGER_WORKER_ERROR``
-gets an error event.
+gets an error event; one containing ``TRIGGER_OUTPUT_GAP`` loses the event of its third token (as a worker whose
+publish failed would).
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ class StandInWorker:
                 event = OutputEvent(req.request_id, req.choice_index, [token], delta,
                                     ("stop" if is_eos else "length") if done else None, logprobs,
                                     prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(generated))
+                if "TRIGGER_OUTPUT_GAP" in prompt_text and len(generated) == 3 and not done:
+                    continue  # this event is lost on its way
                 if not emit(event):
                     return
                 if done:

@@ -138,6 +138,29 @@ def test_worker_error_reaches_the_client_and_the_next_request_works(client):
                                           messages=FRANCE).choices[0].message.content == PARIS
 
 
+GAP = "The output of this request lost tokens 2..2 on the way from its worker; the request was aborted"
+
+
+def test_output_that_skips_a_token_fails_the_request_and_aborts_it(client, worker):
+    """A lost event (the third token's) is never papered over: the client gets a 500 saying which tokens were lost,
+    not a 200 with a hole in the text, and the worker is told to stop."""
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="smollm2-135m-instruct", prompt="TRIGGER_OUTPUT_GAP", max_tokens=8,
+                                  logprobs=1)
+    assert info.value.body == {"message": GAP, "type": "InternalServerError", "param": None, "code": 500}
+    assert worker.abort_seen.wait(5)
+
+
+def test_streamed_output_that_skips_a_token_ends_with_an_error_event(router, worker):
+    body = {"model": "smollm2-135m-instruct", "prompt": "TRIGGER_OUTPUT_GAP", "stream": True, "max_tokens": 8}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:]) == {"error": {"message": GAP, "type": "InternalServerError", "param": None,
+                                                   "code": 500}}
+    assert len(lines) == 4  # the two tokens before the gap, the error, [DONE]
+
+
 def test_models_lists_the_served_model_with_its_context_length(client):
     (model,) = client.models.list().data
     assert model.id == "smollm2-135m-instruct"
