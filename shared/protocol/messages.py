@@ -101,7 +101,8 @@ class TokenLogprob:
     """Log-probability of one sampled token and the ``top`` most likely alternatives at its position.
 
     ``top`` is a list of ``(token_id, logprob)`` pairs, most likely first (length = the request's
-    ``logprobs`` / ``top_logprobs``; may be empty). Natural log, as OpenAI and vLLM report it.
+    ``logprobs`` / ``top_logprobs``, plus the sampled token last when it is not among them; may be empty).
+    Natural log, as OpenAI and vLLM report it.
     """
 
     token_id: int
