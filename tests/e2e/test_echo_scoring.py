@@ -19,7 +19,10 @@ from support.hf_logprobs import hf_prompt_logprobs
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 TOL = 1e-3
-TEXT = "Question: Which gas do plants take in from the air? Answer: carbon dioxide"
+# Over three KV blocks, so the second request finds full blocks of it in the prefix cache
+TEXT = ("Photosynthesis is the process by which green plants use sunlight, water and a gas from the air to make "
+        "sugar, releasing oxygen as a by-product. Question: Which gas do plants take in from the air? "
+        "Answer: carbon dioxide")
 
 
 @pytest.fixture(scope="module", params=["split", "colocated"])
