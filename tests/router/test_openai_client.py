@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.loadtest.sse import read_chunks
+from pdserve.loadtest.sse import DONE, parse_line, read_chunks
 from pdserve.shared.protocol import keys
 from stand_in_worker import PARIS
 
@@ -154,11 +154,10 @@ def test_output_that_skips_a_token_fails_the_request_and_aborts_it(client, worke
 def test_streamed_output_that_skips_a_token_ends_with_an_error_event(router, worker):
     body = {"model": "smollm2-135m-instruct", "prompt": "TRIGGER_OUTPUT_GAP", "stream": True, "max_tokens": 8}
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as resp:
-        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:]) == {"error": {"message": GAP, "type": "InternalServerError", "param": None,
-                                                   "code": 500}}
-    assert len(lines) == 4  # the two tokens before the gap, the error, [DONE]
+        events = [e for e in map(parse_line, resp.iter_lines()) if e is not None]  # strict: data lines only
+    assert events[-1] == DONE
+    assert events[-2] == {"error": {"message": GAP, "type": "InternalServerError", "param": None, "code": 500}}
+    assert len(events) == 4  # the two tokens before the gap, the error, [DONE]
 
 
 def test_models_lists_the_served_model_with_its_context_length(client):
