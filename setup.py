@@ -1,4 +1,4 @@
-"""Maps the one namespace ``pdserve.*`` onto the repository's top-level folders (DESIGN.md §1).
+"""Maps the one namespace ``pdserve.*`` onto the repository's top-level folders (docs/design.md §1).
 
 ``pdserve`` itself is the repository root (its ``__init__.py``); ``pdserve.shared``,
 ``pdserve.services``, ``pdserve.kernels`` and ``pdserve.loadtest`` are the folders of those names.

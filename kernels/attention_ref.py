@@ -1,6 +1,6 @@
 """PyTorch reference attention over a paged KV cache: the CPU path and the oracle for the Triton kernels.
 
-Layout (DESIGN.md §2, vLLM's): one K and one V pool per layer, each
+Layout (docs/design.md §2, vLLM's): one K and one V pool per layer, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Grouped-query attention: query head ``h`` reads
 KV head ``h // (num_heads // num_kv_heads)``.
 

@@ -1,3 +1,3 @@
 """pdserve's load-test suite (``pdserve bench``): vLLM-compatible serving benchmarks against any
 OpenAI-compatible server, rate sweeps with SLO capacity, a mock server, and disaggregated-versus-
-colocated comparisons. See README.md, "Load testing"."""
+colocated comparisons. See loadtest/README.md."""

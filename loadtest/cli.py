@@ -1,4 +1,4 @@
-"""``pdserve bench``: load tests against any OpenAI-compatible server (README.md, "Load testing")."""
+"""``pdserve bench``: load tests against any OpenAI-compatible server (loadtest/README.md)."""
 
 from __future__ import annotations
 

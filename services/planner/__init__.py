@@ -1,4 +1,4 @@
-"""The SLO planner: sizes the prefill and decode Deployments on their own signals (DESIGN.md §3).
+"""The SLO planner: sizes the prefill and decode Deployments on their own signals (docs/design.md §3).
 
 ``decision`` is the pure policy (metric snapshot in, replica count out); ``signals`` turns scraped Prometheus
 text and the Redis queue into that snapshot; ``kube`` reads and patches the Deployments' scale subresource;

@@ -1,1 +1,1 @@
-"""The block registry service: pods heartbeat in, the router asks who is alive (DESIGN.md §3)."""
+"""The block registry service: pods heartbeat in, the router asks who is alive (docs/design.md §3)."""

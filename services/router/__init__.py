@@ -1,4 +1,4 @@
-"""The router: OpenAI-compatible REST gateway of the ensemble (DESIGN.md §3).
+"""The router: OpenAI-compatible REST gateway of the ensemble (docs/design.md §3).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /version``.

@@ -44,7 +44,7 @@ class RouterMetrics:
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests",
                                      m, registry=r).labels(model_name)
         # usage as clients got it: only the router counts these names (workers count compute under other names),
-        # so a sum over every pod of the ensemble is the sum of the responses' usage (README "Metrics")
+        # so a sum over every pod of the ensemble is the sum of the responses' usage (docs/metrics.md "Counters")
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens of finished requests",
                                          m, registry=r).labels(model_name)
         self.prompt_tokens_cached = Counter("pdserve:prompt_tokens_cached",

@@ -3,7 +3,7 @@
 Storage is a single tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` so
 that block copies (swap, copy-on-write, KV transfer) are one indexing operation for all layers.
 Layer ``l`` sees ``k_cache = kv[l, 0]`` and ``v_cache = kv[l, 1]``, each
-``[num_blocks, block_size, num_kv_heads, head_dim]`` (DESIGN.md §2).
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (docs/design.md §2).
 """
 
 from __future__ import annotations

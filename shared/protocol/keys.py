@@ -1,4 +1,4 @@
-"""Redis key, stream and channel names of the ensemble (DESIGN.md §3): one definition for every service.
+"""Redis key, stream and channel names of the ensemble (docs/design.md §3): one definition for every service.
 
 Streams:
   ``pdserve:prefill``            the prefill queue (consumer group ``prefill``); entries are ``PrefillRequest``.

@@ -1,4 +1,4 @@
-"""KV-block transfer between a prefill pod and a decode pod (asyncio TCP; DESIGN.md §3).
+"""KV-block transfer between a prefill pod and a decode pod (asyncio TCP; docs/design.md §3).
 
 ``frames`` defines the wire, ``handshake`` the layout check and mutual authentication, ``server``
 the decode side (calling a :class:`KVReceiver`), ``client`` the prefill side.

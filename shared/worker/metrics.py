@@ -9,7 +9,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 # engine stat -> counter name (the engine keeps totals; counters advance by the difference). Each name means one
 # thing on every pod, so a sum over pods is an ensemble total; the router's client-side counters
 # (``pdserve:prompt_tokens``, ``pdserve:generation_tokens``, ``pdserve:prompt_tokens_cached``) are not
-# repeated here (issue 17.3; README "Metrics").
+# repeated here (issue 17.3; docs/metrics.md "Counters").
 _COUNTERS = {
     "prompt_tokens_computed": ("pdserve:prompt_tokens_computed",
                                "Prompt tokens run through the model (not prefix-cache hits, not recompute)"),

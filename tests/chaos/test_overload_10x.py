@@ -4,7 +4,7 @@ ensemble must come out of it alive with nothing left behind.
 
 Oracles: each request's own answer (status, error body, ``[DONE]``), every process's liveness and ``/health``,
 the workers' counters and Redis keys (``chaos.leftovers``). No timing or memory thresholds: those are
-measured by ``python -m pdserve.loadtest.overload`` (README, "Reliability and security").
+measured by ``python -m pdserve.loadtest.overload`` (tests/chaos/README.md "10x overload").
 """
 
 from __future__ import annotations

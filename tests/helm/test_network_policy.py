@@ -493,7 +493,7 @@ def test_restricted_egress_keeps_dns_and_the_call_paths_and_takes_extra_egress(c
 
 
 def test_restricted_egress_with_an_external_redis_needs_extra_egress(chart):
-    """External Redis is outside the release: closed until extraEgress names it (README says so)."""
+    """External Redis is outside the release: closed until extraEgress names it (helm/pdserve/README.md "Network policies")."""
     values = load_values("external-redis") | {"networkPolicy": {"allowExternalEgress": False}}
     p = pods(render_docs(chart, values))
     assert not allowed(policies_of(render_docs(chart, values)), p["router"], EXTERNAL_REDIS, 6379)

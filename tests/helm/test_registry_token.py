@@ -2,7 +2,7 @@
 
 Oracle: the Secret's data (base64-decoded), and the services' own settings classes (RegistrySettings,
 RouterSettings, WorkerSettings) reading the environment variable the chart sets. The planner never calls the registry
-(README, NetworkPolicies), so it must not get the token.
+(helm/pdserve/README.md "Network policies"), so it must not get the token.
 """
 
 from __future__ import annotations
