@@ -1,0 +1,152 @@
+"""Verify draft tokens against the target model: exact speculative sampling.
+
+The rule is Leviathan et al. (ICML 2023) and Chen et al. (2023), as vLLM's ``RejectionSampler``: with target
+distribution ``p`` and draft distribution ``q`` at draft position j, accept draft token d with probability
+``min(1, p(d) / q(d))``; at the first rejection emit a token drawn from ``norm(max(0, p - q))`` and stop;
+when every draft is accepted emit a bonus token drawn from ``p`` at position k. A draft without
+probabilities (n-gram) has ``q`` one-hot on d: accept with probability ``p(d)``, recover from ``p`` with d
+removed. Each emitted token is then distributed exactly as ``p`` would draw it one step at a time.
+Greedy rows (temperature < 1e-5) accept while the draft equals the target's argmax, then emit the argmax:
+token for token what plain greedy decoding gives.
+
+``p`` is what the plain sampler draws from (``sampling_probs``: after min_tokens, penalties, temperature,
+top-k/top-p/min-p); row j's penalties and min_tokens see the drafts before it as output, as they would
+if accepted. Randomness comes from the request's own ``torch.Generator`` (the seeded request's, else the
+sampler's): per request and step, k uniforms (float64) for acceptance, then one Exp(1) vector over the
+vocabulary for the final token, chosen by the exponential race ``argmax(w / E)`` (the Gumbel-max trick's
+twin: index i wins with probability ``w_i / sum(w)``). A request's draws never depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.shared.engine import sampler as _sampler
+from pdserve.shared.engine.sampler import SampleLogprobs, SamplingMetadata, process_logits, sampling_probs
+
+GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class VerifyOutput:
+    """Per request: the emitted tokens (accepted drafts, then one recovered or bonus token) and, per emitted
+    token, the target's logprobs (``None`` entries where the request did not ask). ``num_accepted`` counts
+    accepted drafts."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[SampleLogprobs | None]]
+    num_accepted: list[int]
+
+
+def residual_probs(p: torch.Tensor, q: torch.Tensor | None, draft_token: int) -> torch.Tensor:
+    """``max(0, p - q)`` (unnormalised) for a rejected draft; ``q=None``: q one-hot on ``draft_token``."""
+    if q is None:
+        r = p.clone()
+        r[draft_token] = 0.0
+        return r
+    return (p - q).clamp_(min=0.0)
+
+
+def race(weights: torch.Tensor, exp: torch.Tensor) -> int:
+    """Index i with probability ``weights[i] / weights.sum()`` given ``exp`` ~ Exp(1) i.i.d. (same shape)."""
+    return int((weights / exp).argmax())
+
+
+def verify_random(p: torch.Tensor, draft: Sequence[int], q: torch.Tensor | None,
+                  generator: torch.Generator) -> list[int]:
+    """One request's sampled verification. ``p``: ``[k+1, V]`` target probabilities (rows sum to 1);
+    ``draft``: k token ids; ``q``: ``[k, V]`` draft probabilities or ``None`` (one-hot drafts).
+    Returns the emitted tokens (1..k+1). Draws k float64 uniforms, then one ``[V]`` Exp(1) vector."""
+    k = len(draft)
+    u = torch.rand(k, dtype=torch.float64, generator=generator).tolist()
+    exp = torch.empty(p.shape[1], dtype=torch.float32).exponential_(generator=generator)
+    out: list[int] = []
+    for j, d in enumerate(draft):
+        pd = float(p[j, d])
+        qd = 1.0 if q is None else float(q[j, d])
+        if qd > 0 and u[j] < min(1.0, pd / qd):
+            out.append(d)
+            continue
+        out.append(race(residual_probs(p[j], None if q is None else q[j], d), exp))
+        return out
+    out.append(race(p[k], exp))
+    return out
+
+
+def verify_greedy(argmax: Sequence[int], draft: Sequence[int]) -> list[int]:
+    """Accepted drafts while each equals the target's argmax, then the argmax at the first mismatch (or bonus)."""
+    out = []
+    for j, d in enumerate(draft):
+        if d != argmax[j]:
+            break
+        out.append(d)
+    out.append(argmax[len(out)])
+    return out
+
+
+class RejectionSampler:
+    """Batch front end: one logits row per verified position, requests in order."""
+
+    def __init__(self, fallback_generator: torch.Generator) -> None:
+        self.fallback = fallback_generator  # unseeded requests draw from the engine sampler's generator
+
+    def __call__(self, logits: torch.Tensor, drafts: Sequence[Sequence[int]], md: SamplingMetadata,
+                 generators: Sequence[torch.Generator | None],
+                 draft_probs: Sequence[torch.Tensor | None] | None = None) -> VerifyOutput:
+        """``logits``: ``[sum(k_i + 1), V]``, rows of request i are its positions 0..k_i (``md`` built per row,
+        see ``spec_metadata``); ``drafts[i]``: its k_i draft ids; ``generators[i]``: its seeded generator or
+        None; ``draft_probs[i]``: ``[k_i, V]`` or None (n-gram)."""
+        if logits.shape[1] > md.vocab_size:
+            logits = logits[:, : md.vocab_size]
+        logits = process_logits(logits, md)
+        greedy = set(md.greedy_rows)
+        argmax = logits.max(dim=-1).indices.tolist() if greedy else None
+        probs = sampling_probs(logits[md.random_rows], md) if md.random_rows else None
+        prob_row = {r: i for i, r in enumerate(md.random_rows)}
+        tokens, accepted, start = [], [], 0
+        for i, draft in enumerate(drafts):
+            k = len(draft)
+            if start in greedy:
+                emitted = verify_greedy(argmax[start:start + k + 1], draft)
+            else:
+                p = probs[prob_row[start]:prob_row[start] + k + 1]
+                q = draft_probs[i] if draft_probs is not None else None
+                emitted = verify_random(p, draft, q, generators[i] or self.fallback)
+            tokens.append(emitted)
+            accepted.append(len(emitted) - 1)
+            start += k + 1
+        return VerifyOutput(tokens, self._logprobs(logits, drafts, tokens, md), accepted)
+
+    @staticmethod
+    def _logprobs(logits, drafts, tokens, md) -> list[list[SampleLogprobs | None]]:
+        out = [[None] * len(t) for t in tokens]
+        if not md.logprob_rows:
+            return out
+        chosen, where, start = [], {}, 0
+        for i, (draft, emitted) in enumerate(zip(drafts, tokens)):
+            for j in range(len(draft) + 1):
+                chosen.append(emitted[j] if j < len(emitted) else 0)  # rows past the last emitted: unused
+                where[start + j] = (i, j)
+            start += len(draft) + 1
+        rows = _sampler._logprobs(logits, torch.tensor(chosen, dtype=torch.int64, device=logits.device), md)
+        for row, lp in zip(md.logprob_rows, rows):
+            i, j = where[row]
+            if j < len(tokens[i]):
+                out[i][j] = lp
+        return out
+
+
+def spec_metadata(params, prompts, outputs, drafts, eos_token_ids, vocab_size) -> SamplingMetadata:
+    """``SamplingMetadata`` with one row per verified position: request i's row j sees ``outputs[i] +
+    drafts[i][:j]`` as its output (penalties, min_tokens), as if the drafts before it were accepted."""
+    p_rows, prompt_rows, out_rows = [], [], []
+    for sp, prompt, output, draft in zip(params, prompts, outputs, drafts):
+        for j in range(len(draft) + 1):
+            p_rows.append(sp)
+            prompt_rows.append(prompt)
+            out_rows.append(list(output) + list(draft[:j]))
+    return SamplingMetadata.from_requests(p_rows, prompt_rows, out_rows, [None] * len(p_rows), eos_token_ids,
+                                          vocab_size)
