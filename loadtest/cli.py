@@ -78,6 +78,7 @@ def _register() -> None:
     from pdserve.loadtest.kv_routing_bench import kv_routing_command
     from pdserve.loadtest.kv_transfer_bench import kv_transfer_command
     from pdserve.loadtest.offline_throughput import main as throughput_command
+    from pdserve.loadtest.spec_bench import spec_command
     from pdserve.loadtest.sweep import sweep_command
     from pdserve.loadtest.ttft_breakdown import ttft_breakdown_command
 
@@ -87,6 +88,7 @@ def _register() -> None:
     bench.add_command(chaos_command, "chaos")
     bench.add_command(overload_command, "overload")
     bench.add_command(throughput_command, "throughput")
+    bench.add_command(spec_command, "spec")
 
 
 _register()

@@ -172,7 +172,20 @@ ENGINE_FLAGS = {
     "block_size": "PDSERVE_BLOCK_SIZE",
     "enable_prefix_caching": "PDSERVE_ENABLE_PREFIX_CACHING",
     "local_prefill_threshold": "PDSERVE_LOCAL_PREFILL_THRESHOLD",
+    "speculative_config": "PDSERVE_SPECULATIVE_CONFIG",
 }
+
+
+def _speculative_config(ctx, param, value):
+    """Check the JSON here, so a typo fails ``pdserve up`` at once instead of every worker at startup."""
+    if value is not None:
+        from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.from_dict(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
 
 
 def external_redis_url(opts: UpOptions) -> str | None:
@@ -491,6 +504,9 @@ def run(opts: UpOptions) -> int:
               help="[PDSERVE_ENABLE_PREFIX_CACHING]")
 @click.option("--local-prefill-threshold", type=click.IntRange(min=0), default=None,
               help="[PDSERVE_LOCAL_PREFILL_THRESHOLD]")
+@click.option("--speculative-config", default=None, callback=_speculative_config,
+              help='Speculative decoding on the workers, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4}\' [PDSERVE_SPECULATIVE_CONFIG]')
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where child logs go [default: a new temporary directory, printed].")
 @click.option("--follow-logs", is_flag=True, help="Also print every child's log lines, prefixed with its name.")

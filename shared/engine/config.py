@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -36,6 +38,8 @@ class EngineConfig:
     preemption_mode: ``recompute`` (default) or ``swap`` (to a CPU block pool of ``swap_space_bytes``).
     scheduling_policy: ``fcfs`` or ``priority`` (lower value first, then arrival; vLLM's convention).
     attention_backend: ``auto`` | ``torch`` | ``triton``.
+    speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; parsed into a ``SpeculativeConfig`` (None: off).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -54,10 +58,13 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     enable_kv_events: bool = False
+    speculative_config: dict | str | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
         self.swap_space_bytes = parse_bytes(self.swap_space_bytes)
+        if not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         checks = [
             ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              "a power of two"),

@@ -165,6 +165,17 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_computed_tokens: int) -> None:
+        """Free the request's trailing blocks that hold no computed token (rejected drafts' slots). They were
+        never hashed: ``cache_blocks`` stops at ``request.num_tokens``, which drafts are not part of."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.num_blocks_needed(num_computed_tokens)
+        if blocks and len(blocks) > keep:
+            tail = blocks[keep:]
+            assert all(b.block_hash is None for b in tail), "a block holding unverified tokens was hashed"
+            del blocks[keep:]
+            self.block_pool.free_blocks(reversed(tail))
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

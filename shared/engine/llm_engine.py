@@ -25,6 +25,7 @@ from pdserve.shared.engine.request import FINISH_REASONS, Request, RequestStatus
 from pdserve.shared.engine.sampler import Sampler, SamplingMetadata
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler
+from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder
 from pdserve.shared.engine.swap import SwapManager
 from pdserve.shared.models.loader import load_config, load_model
 from pdserve.shared.models.resolve import resolve_model
@@ -121,6 +122,8 @@ class LLMEngine:
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = self._eos_ids()
+        self.spec = None if config.speculative_config is None else SpecDecoder(
+            config.speculative_config, self.sampler.generator, self.eos_token_ids, self.vocab_size, self.max_model_len)
         self.groups: dict[str, _Group] = {}
         self.parked: dict[str, Request] = {}  # prefill-only requests holding blocks for export
         self.reserved: dict[str, Request] = {}  # decode side: blocks reserved for incoming KV
@@ -268,6 +271,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return outputs for every request that progressed.
         The outputs are snapshots: later steps never change them, so another thread may read them."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty:
             # A step can preempt every running request and schedule nothing (the pool held by reservations or by
@@ -289,28 +294,65 @@ class LLMEngine:
         self._track_peaks()
         if not sampling:
             return []
-        rows = list(range(len(sampling)))
+        # one logits row per plain request, 1 + k rows for one verifying k draft tokens
+        plain, rows, verifying, row = [], [], [], 0
+        for request in sampling:
+            draft = out.spec_token_ids.get(request.request_id)
+            if draft:
+                verifying.append((request, draft, row))
+                row += len(draft) + 1
+            else:
+                plain.append(request)
+                rows.append(row)
+                row += 1
         # n > 1: fork the children once the parent's prompt is computed; they sample from its logits row
-        for row, request in enumerate(list(sampling)):
+        for request, row in list(zip(plain, rows)):
             if request.sampling_params.n > 1 and request.num_output_tokens == 0 and request.parent_id is None:
                 for child in self._fork(request):
-                    sampling.append(child)
+                    plain.append(child)
                     rows.append(row)
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows)]
+        now = time.time()
+        touched: dict[str, _Group] = {}
+        if plain:
+            self._sample(logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows)], plain,
+                         now, touched)
+        if verifying:
+            self._verify(logits, verifying, now, touched)
+        return [self._make_output(g) for g in touched.values()]
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Request], now: float, touched: dict) -> None:
         md = SamplingMetadata.from_requests(
             [r.sampling_params for r in sampling], [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling], [r.generator for r in sampling], self.eos_token_ids,
             self.vocab_size)
         result = self.sampler(logits, md)
-        now = time.time()
-        touched: dict[str, _Group] = {}
         for request, token, lp in zip(sampling, result.sampled_token_ids, result.logprobs):
             self._append_token(request, token, lp, now)
-            group = self.groups.get(request.parent_id or request.request_id)
-            if group is not None:
-                touched[group.request_id] = group
-        return [self._make_output(g) for g in touched.values()]
+            self._touch(request, touched)
+
+    def _verify(self, logits: torch.Tensor, verifying: list[tuple[Request, list[int], int]], now: float,
+                touched: dict) -> None:
+        """Speculative step: append each request's accepted drafts and its recovered/bonus token in order (a stop,
+        EOS or max_tokens ends the run; later tokens are dropped), then roll ``num_computed_tokens`` back to the
+        verified tokens and free the blocks that held only rejected drafts."""
+        idx = [r for _, draft, start in verifying for r in range(start, start + len(draft) + 1)]
+        requests = [request for request, _, _ in verifying]
+        result = self.spec.verify(logits[torch.tensor(idx)], requests, [draft for _, draft, _ in verifying])
+        for request, tokens, lps in zip(requests, result.token_ids, result.logprobs):
+            request.spec_token_ids = []
+            for token, lp in zip(tokens, lps):
+                self._append_token(request, token, lp, now)
+                if request.is_finished:
+                    break
+            if not request.is_finished:
+                request.num_computed_tokens = request.num_tokens - 1
+                self.kv_manager.trim(request, request.num_computed_tokens)
+            self._touch(request, touched)
+
+    def _touch(self, request: Request, touched: dict) -> None:
+        group = self.groups.get(request.parent_id or request.request_id)
+        if group is not None:
+            touched[group.request_id] = group
 
     def _record_prompt_logprobs(self, chunk: PromptLogits) -> None:
         """Append ``{token_id: Logprob}`` for each prompt position of ``chunk``: the prompt token (its rank
@@ -514,7 +556,8 @@ class LLMEngine:
         through the model the first time; ``prompt_tokens_recomputed``: tokens run again after a recompute
         preemption; ``generation_tokens``: tokens appended as output (a decode pod counts the first token the prefill
         pod handed over), ``sampled_tokens``: tokens this engine sampled itself; ``prefix_cache_*``: see
-        ``PrefixCacheStats``; ``cpu_swap_blocks_*``, ``kv_blocks_swapped_*``: the swap pool (0 under recompute)."""
+        ``PrefixCacheStats``; ``cpu_swap_blocks_*``, ``kv_blocks_swapped_*``: the swap pool (0 under recompute);
+        ``spec_decode_*`` (with a ``speculative_config`` only): see ``SpecDecoder.get_stats``."""
         kv = self.kv_manager
         pcs = kv.prefix_cache_stats
         swap = self.scheduler.swap
@@ -551,6 +594,7 @@ class LLMEngine:
             "num_steps": self.stats["num_steps"],
             "block_size": self.kv_spec.block_size,
             "max_model_len": self.max_model_len,
+            **(self.spec.get_stats() if self.spec is not None else {}),
         }
 
 

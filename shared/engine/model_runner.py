@@ -2,7 +2,8 @@
 
 Inputs are vLLM v1's: ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``, ``seq_lens``,
 ``query_start_loc``. Logits are computed only for the rows that sample this step (the last token of
-every request whose known tokens are now all computed); prefill chunks that stop short sample nothing.
+every request whose known tokens are now all computed, and each of its draft tokens when it speculates);
+prefill chunks that stop short sample nothing.
 A request that asks for ``prompt_logprobs`` also gets the logits of every prompt position the step computes
 (each chunk of a chunked prefill adds its own), which ``execute_model`` returns beside them.
 """
@@ -60,14 +61,15 @@ class ModelRunner:
                 if last >= first:
                     prompt_rows.append((request, len(input_ids) + first - 1 - start, first, last - first + 1))
             blocks = self.kv_manager.get_block_ids(request.request_id)
-            input_ids.extend(request.all_token_ids[start:end])
+            spec = out.spec_token_ids.get(request.request_id)
+            input_ids.extend((request.all_token_ids + spec if spec else request.all_token_ids)[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             tables.append(blocks)
             seq_lens.append(end)
             query_lens.append(n)
-            if end >= request.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            if end >= request.num_tokens:  # the last known token, then one row per draft token
+                sample_rows.extend(range(len(input_ids) - 1 - (end - request.num_tokens), len(input_ids)))
         width = max(len(t) for t in tables)
         dev = self.device
         qsl = [0]
@@ -89,7 +91,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[PromptLogits]]:
-        """Run the step; returns logits ``[num_sampling_requests, vocab]`` float32 in batch order, and the
+        """Run the step; returns logits ``[num_sampling_rows, vocab]`` float32 in batch order (one row per sampling
+        request, 1 + k for one verifying k drafts), and the
         prompt positions' logits of requests that asked for ``prompt_logprobs`` (empty list otherwise)."""
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)

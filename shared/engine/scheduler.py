@@ -6,6 +6,10 @@ when the budget is short) as many tokens as the budget ``max_num_batched_tokens`
 ``max_num_seqs`` requests. When blocks run out, the scheduler preempts a victim chosen by policy
 (``fcfs``: the latest arrival; ``priority``: the largest ``(priority, arrival_time)``) by recompute
 (free its blocks; it rejoins the front of the queue) or by swap (copy its blocks to the CPU pool).
+
+Speculative decoding is the same rule: a decoding request with k draft tokens asks for k + 1 slots (the
+budget counts the drafts; a short budget or a short pool trims them first); the engine rolls
+``num_computed_tokens`` and the emptied blocks back after verification.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts scheduled for verification
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -137,7 +142,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_new_running(request, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -148,6 +153,8 @@ class Scheduler:
                     break
             else:
                 self.kv.allocate_slots(request, num_new)
+                if request.spec_token_ids:
+                    out.spec_token_ids[request.request_id] = request.spec_token_ids
                 out.scheduled.append((request, num_new))
                 scheduled_ids.add(request.request_id)
                 budget -= num_new
@@ -184,6 +191,18 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
+    def _num_new_running(self, request: Request, budget: int) -> int:
+        """Tokens a running request asks for: its uncomputed tokens, plus its drafts when decoding; drafts
+        the budget or the free blocks cannot hold are dropped (before anyone is preempted for them)."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        spec = request.spec_token_ids
+        if spec:
+            del spec[max(0, budget - num_new):]
+            if spec and not self.kv.can_allocate(request, num_new + len(spec)):
+                spec.clear()
+            num_new += len(spec)
+        return num_new
+
     def _pick_victim(self, exclude: set[str]) -> Request:
         # never a request already scheduled this step; the one asking for blocks is always a candidate
         candidates = [r for r in self.running if r.request_id not in exclude]
@@ -193,6 +212,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self.num_preemptions += 1
         request.num_preemptions += 1
         if self.preemption_mode == "swap" and self.swap is not None and self.swap.can_swap_out(request):

@@ -31,6 +31,10 @@ _COUNTERS = {
     "num_preemptions": ("pdserve:num_preemptions", "Preemptions"),
     "kv_blocks_swapped_out": ("pdserve:kv_blocks_swapped_out", "KV blocks copied to the CPU swap pool"),
     "kv_blocks_swapped_in": ("pdserve:kv_blocks_swapped_in", "KV blocks copied back from the CPU swap pool"),
+    # speculative decoding (vLLM's names; 0 without a speculative_config)
+    "spec_decode_num_drafts": ("pdserve:spec_decode_num_drafts", "Verification steps of requests with draft tokens"),
+    "spec_decode_num_draft_tokens": ("pdserve:spec_decode_num_draft_tokens", "Draft tokens proposed and verified"),
+    "spec_decode_num_accepted_tokens": ("pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 }
 # engine stats that are derived: a queries/hits counter above counts only new requests' lookups
 _DERIVED = {
@@ -68,6 +72,10 @@ class WorkerMetrics:
             key: Counter(name, doc, names, registry=r).labels(**labels) for key, (name, doc) in _COUNTERS.items()
         }
         self._last = {key: 0 for key in _COUNTERS}
+        self.spec_per_pos = Counter("pdserve:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft (0 first)", names + ["position"],
+                                    registry=r)
+        self._last_per_pos: list[int] = []
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Arrival to first token", names,
                               buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output events", names,
@@ -122,6 +130,12 @@ class WorkerMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last[key] = value
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", ())
+        for pos, value in enumerate(per_pos):
+            last = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
+            if value > last:
+                self.spec_per_pos.labels(**self.labels, position=str(pos)).inc(value - last)
+        self._last_per_pos = list(per_pos)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -53,6 +53,8 @@ class WorkerSettings(BaseSettings):
     preemption_mode: str = "recompute"
     attention_backend: str = "auto"
     device: str = "cpu"
+    # vLLM's speculative_config as JSON text, e.g. '{"method": "ngram", "num_speculative_tokens": 4}' (decode pods)
+    speculative_config: str | None = None
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -61,4 +63,5 @@ class WorkerSettings(BaseSettings):
             enable_prefix_caching=self.enable_prefix_caching, kv_cache_memory_bytes=self.kv_cache_memory,
             preemption_mode=self.preemption_mode, attention_backend=self.attention_backend, device=self.device,
             enable_kv_events=self.enable_kv_events and self.enable_prefix_caching,
+            speculative_config=self.speculative_config,
         )

@@ -318,3 +318,13 @@ def test_up_with_the_router_prints_a_working_openai_base_url(tmp_path):
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
+
+
+def test_up_checks_the_speculative_config_before_starting_anything():
+    from click.testing import CliRunner
+
+    from pdserve.services.up import command
+
+    result = CliRunner().invoke(command, ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])
+    assert result.exit_code == 2
+    assert "speculative_config.num_speculative_tokens must be an integer >= 1" in result.output

@@ -96,3 +96,17 @@ def test_planner_gets_its_deployments_and_objectives(chart, monkeypatch):
         "llm", f"{FULL}-prefill", f"{FULL}-decode", f"{FULL}-router")
     assert (s.port, s.interval_seconds, s.ttft_slo_seconds, s.tpot_slo_seconds) == (8004, 10, 1.5, 0.08)
     assert (s.prefill_max_replicas, s.decode_max_replicas, s.manual_override_backoff_seconds) == (6, 6, 600)
+
+
+def test_decode_tier_gets_the_speculative_config(chart, monkeypatch):
+    from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+    from pdserve.shared.worker.settings import WorkerSettings
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    docs = render_docs(chart, {"decode": {"speculativeConfig": spec}})
+    assert "PDSERVE_SPECULATIVE_CONFIG" not in pod_environment(docs, "prefill")
+    for k, v in pod_environment(docs, "decode").items():
+        monkeypatch.setenv(k, v)
+    config = WorkerSettings().engine_config().speculative_config
+    assert config == SpeculativeConfig.from_dict(spec)
+    assert "PDSERVE_SPECULATIVE_CONFIG" not in pod_environment(render_docs(chart, {}), "decode")

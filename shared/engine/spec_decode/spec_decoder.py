@@ -1,0 +1,83 @@
+"""``SpecDecoder``: the engine's speculative-decoding step hooks (propose before scheduling, verify after).
+
+Before ``Scheduler.schedule`` it sets ``spec_token_ids`` on every decoding request (``num_computed_tokens
+== num_tokens - 1``): up to k proposals, trimmed so that positions stay below ``max_model_len`` and no
+more than ``max_tokens`` can be emitted. After the forward pass it verifies each request's rows with the
+``RejectionSampler`` and keeps vLLM's counters (``spec_decode_num_drafts``, ``..._num_draft_tokens``,
+``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.shared.engine.request import Request
+from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+from pdserve.shared.engine.spec_decode.ngram_proposer import NgramProposer
+from pdserve.shared.engine.spec_decode.policy import SpecPolicy
+from pdserve.shared.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyOutput, spec_metadata
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, generator: torch.Generator, eos_token_ids: frozenset[int],
+                 vocab_size: int, max_model_len: int) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config.method {config.method!r} is not supported by this engine yet "
+                             "(only 'ngram')")
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.policy = SpecPolicy(self.k, config.adaptive, config.disable_by_batch_size)
+        self.rejection_sampler = RejectionSampler(generator)
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * self.k
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Set ``spec_token_ids`` on each running request (``[]`` where it does not speculate this step)."""
+        budget = self.policy.step_budget(len(running))
+        if len(self.policy.ema) > 2 * len(running) + 64:  # forget finished requests
+            live = {r.request_id for r in running}
+            self.policy.ema = {rid: v for rid, v in self.policy.ema.items() if rid in live}
+        for request in running:
+            request.spec_token_ids = []
+            if budget <= 0 or request.num_computed_tokens != request.num_tokens - 1 or request.prefill_only:
+                continue
+            k = min(self.policy.num_draft_tokens(request.request_id), budget,
+                    request.max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens - 1)
+            if k > 0:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+                budget -= len(request.spec_token_ids)
+
+    def verify(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[list[int]]) -> VerifyOutput:
+        """``logits``: ``[sum(len(d) + 1), V]``, request i's rows in order. Returns tokens to append per request."""
+        md = spec_metadata([r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
+                           [r.output_token_ids for r in requests], drafts, self.eos_token_ids, self.vocab_size)
+        result = self.rejection_sampler(logits, drafts, md, [r.generator for r in requests])
+        for request, draft, accepted in zip(requests, drafts, result.num_accepted):
+            self.policy.record(request.request_id, len(draft), accepted)
+            self.num_drafts += 1
+            self.num_draft_tokens += len(draft)
+            self.num_accepted_tokens += accepted
+            for pos in range(accepted):
+                self.num_accepted_tokens_per_pos[pos] += 1
+        return result
+
+    def get_stats(self) -> dict:
+        """vLLM's counters, plus ``spec_decode_acceptance_rate`` (accepted / draft tokens) and
+        ``spec_decode_mean_accepted_length`` (tokens emitted per verification: accepted + 1)."""
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "spec_decode_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            "spec_decode_mean_accepted_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
+        }
