@@ -149,3 +149,39 @@ def test_penalties_and_min_tokens_see_earlier_drafts_as_output():
     # row 2: two outputs, 9 allowed -> bonus 9
     out = RejectionSampler(torch.Generator())(logits, [[5, 6]], md, [None])
     assert out.token_ids == [[5, 6, 9]] and out.num_accepted == [2]
+
+
+# adaptive policy and metrics
+
+from pdserve.shared.engine.spec_decode.policy import SpecPolicy  # noqa: E402
+
+
+def test_policy_shrinks_k_for_a_request_whose_drafts_fail_and_caps_a_large_batch():
+    policy = SpecPolicy(k=5, adaptive=True, disable_by_batch_size=None, max_draft_tokens_per_step=32)
+    assert policy.num_draft_tokens("a") == 5  # optimistic start
+    for _ in range(6):
+        policy.record("a", 5, 0)
+    assert policy.num_draft_tokens("a") == 1  # drafts keep failing: one guess a step
+    for _ in range(6):
+        policy.record("a", 5, 5)
+    assert policy.num_draft_tokens("a") == 5
+    assert policy.step_budget(1) == 32 and policy.step_budget(64) == 32  # at most 32 draft tokens per step
+    fixed = SpecPolicy(k=3, adaptive=False, disable_by_batch_size=8)
+    assert fixed.num_draft_tokens("a") == 3 and fixed.step_budget(8) == 24 and fixed.step_budget(9) == 0
+
+
+def test_worker_metrics_export_vllm_spec_decode_counters():
+    from pdserve.shared.worker.metrics import WorkerMetrics
+
+    m = WorkerMetrics("decode", "d0")
+    base = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "kv_blocks_used": 0, "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0}
+    m.update_from_stats({**base, "spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12,
+                         "spec_decode_num_accepted_tokens": 7, "spec_decode_num_accepted_tokens_per_pos": [4, 2, 1]})
+    m.update_from_stats({**base, "spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 15,
+                         "spec_decode_num_accepted_tokens": 8, "spec_decode_num_accepted_tokens_per_pos": [5, 2, 1]})
+    text = m.render().decode()
+    assert 'pdserve:spec_decode_num_drafts_total{pod="d0",role="decode"} 5.0' in text
+    assert 'pdserve:spec_decode_num_draft_tokens_total{pod="d0",role="decode"} 15.0' in text
+    assert 'pdserve:spec_decode_num_accepted_tokens_total{pod="d0",role="decode"} 8.0' in text
+    assert 'pdserve:spec_decode_num_accepted_tokens_per_pos_total{pod="d0",position="0",role="decode"} 5.0' in text

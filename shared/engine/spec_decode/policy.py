@@ -8,13 +8,11 @@ accepted or not). Two rules, per step:
   ``adaptive``, at most ``max_draft_tokens_per_step`` draft tokens in the whole step (shared out
   first-come), so a large batch stops paying for guesses;
 - acceptance: with ``adaptive``, each request keeps an exponential moving average of its accepted tokens
-  per draft and proposes ``ceil(ema) + 1`` tokens at most (at least 1), so a request whose drafts keep
+  per draft and proposes ``round(ema) + 1`` tokens at most (at least 1), so a request whose drafts keep
   failing guesses one token, not k. The average starts at k (optimistic).
 """
 
 from __future__ import annotations
-
-import math
 
 EMA_WEIGHT = 0.5
 # On 2 CPU cores a decode step stops being overhead-bound at a few dozen tokens: drafts past this many
@@ -40,7 +38,7 @@ class SpecPolicy:
     def num_draft_tokens(self, request_id: str) -> int:
         if not self.adaptive:
             return self.k
-        return max(1, min(self.k, math.ceil(self.ema.get(request_id, self.k)) + 1))
+        return max(1, min(self.k, round(self.ema.get(request_id, self.k)) + 1))
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
