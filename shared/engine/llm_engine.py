@@ -22,7 +22,7 @@ from pdserve.shared.engine.kv_cache_manager import KVCacheManager
 from pdserve.shared.engine.model_runner import ModelRunner, PromptLogits
 from pdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pdserve.shared.engine.request import FINISH_REASONS, Request, RequestStatus
-from pdserve.shared.engine.sampler import Sampler, SamplingMetadata
+from pdserve.shared.engine.sampler import Sampler, SamplingMetadata, advance_generator
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder
@@ -183,7 +183,7 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, params, max_tokens, self.eos_token_ids, arrival_time,
                           priority, cache_salt, generator, index, parent_id, prefill_only)
         request.all_token_ids.extend(output_token_ids)
-        _advance(generator, len(output_token_ids))
+        advance_generator(generator, len(output_token_ids), self.vocab_size)
         return request
 
     def _check_vocabulary(self, token_ids: list[int], param: str) -> None:
@@ -541,7 +541,7 @@ class LLMEngine:
         self.scheduler.add_running(request)
         self._append_token(request, first_token_id, None, time.time())
         self.stats["sampled_tokens"] -= 1  # the prefill pod sampled it (and counts it)
-        _advance(request.generator, 1)
+        advance_generator(request.generator, 1, self.vocab_size)
         group.new.pop(0, None)
         group.detoks[0].get_next_output_text(request.is_finished, delta=True)  # the prefill pod sent it already
 
@@ -597,10 +597,3 @@ class LLMEngine:
             **(self.spec.get_stats() if self.spec is not None else {}),
         }
 
-
-def _advance(generator: torch.Generator | None, num_draws: int) -> None:
-    """Move a seeded request's generator past ``num_draws`` sampled tokens (``Sampler._uniforms`` draws one
-    float64 per step), so a request moved between engines samples what one engine would have."""
-    if generator is not None:
-        for _ in range(num_draws):
-            torch.rand(1, dtype=torch.float64, generator=generator)

@@ -23,11 +23,18 @@ Costs on CPU are whole passes over ``[rows, vocab]``, so the sampler makes as fe
 ``argmax`` for an all-greedy batch; penalties gather and scatter only the seen ids; truncation
 searches a ``topk`` window instead of sorting (a 64 x 49152 sort is ~50x a softmax), and top-p
 widens its window (512, 2048, 8192, all) only for rows whose window holds less than ``p`` (with
-SmolLM2 at T=1, p=0.95 keeps at most ~1300 tokens). The draw is
-inverse-CDF sampling with one uniform number per row from that row's own ``torch.Generator`` (the
-seeded request's, else the sampler's), so a seeded request's tokens do not depend on its batch
-neighbours; over the full vocabulary the CDF is searched in two levels (blocks of 256, then inside
-the block).
+SmolLM2 at T=1, p=0.95 keeps at most ~1300 tokens).
+
+The draw is vLLM's exponential race (``probs / q`` then ``argmax``, ``q ~ Exp(1)`` i.i.d. per token: the
+winner is token ``i`` with probability ``p_i / sum(p)``; the Gumbel-max trick in ratio form). Every random row
+draws one vocabulary-sized ``q`` per token from its own ``torch.Generator`` (the seeded request's, else the
+sampler's, shared by unseeded rows), before and independent of truncation, so a seeded request's tokens do not
+depend on its batch neighbours and a resumed request skips a token by one such draw
+(:func:`advance_generator`). Unlike inverse-CDF sampling (one uniform per row against a cumulative sum over
+the vocabulary), the race only flips when the two best ratios are within float noise of each other, so the
+fp32 noise of another batch shape or a prefix-cache hit leaves seeded output unchanged (in practice: inverse
+CDF flipped ~1% of draws at T=1 over the full vocabulary, since a tail token's slice of the CDF is narrower
+than the noise summed over the tokens before it).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 
 _TOP_K_TIE_SLACK = 16
 _TOP_P_WINDOWS = (512, 2048, 8192)
-_CDF_BLOCK = 256
+_ADVANCE_CHUNK = 64  # rows per draw when skipping tokens: bounds the scratch memory
 
 
 @dataclass(slots=True)
@@ -132,85 +139,86 @@ class SamplingMetadata:
         the model's EOS ids (``ignore_eos`` requests are exempt). ``prompt_token_ids`` is only read
         for rows with a repetition penalty.
         """
-        eos = tuple(eos_token_ids)
-        greedy_rows: list[int] = []
-        random_rows: list[int] = []
-        temps: list[float] = []
-        top_ks: list[int] = []
-        top_ps: list[float] = []
-        min_ps: list[float] = []
-        gens: list[torch.Generator | None] = []
-        mt_rows: list[int] = []
-        mt_ids: list[int] = []
-        any_repetition = any_presence_frequency = False
-        logprob_rows: list[int] = []
-        num_logprobs: list[int] = []
-        for i, p in enumerate(params):
-            if p.temperature < 1e-5:
-                greedy_rows.append(i)
-            else:
-                random_rows.append(i)
-                temps.append(p.temperature)
-                top_ks.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
-                top_ps.append(p.top_p)
-                min_ps.append(p.min_p)
-                gens.append(generators[i])
-            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
-                stops = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stops.update(eos)
-                stops = [t for t in stops if t < vocab_size]
-                mt_rows.extend([i] * len(stops))
-                mt_ids.extend(stops)
-            any_repetition = any_repetition or p.repetition_penalty != 1.0
-            any_presence_frequency = any_presence_frequency or bool(p.presence_penalty or p.frequency_penalty)
-            if p.logprobs is not None:
-                logprob_rows.append(i)
-                num_logprobs.append(p.logprobs)
-
-        def floats(values: list[float], skip_if: float) -> torch.Tensor | None:
-            if all(v == skip_if for v in values):
-                return None
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-        pen: dict[str, torch.Tensor | None] = dict.fromkeys(
-            ("presence_penalty", "frequency_penalty", "repetition_penalty", "seen_token_ids",
-             "output_token_ids", "output_valid", "output_nonempty"))
-        if any_repetition:
-            seen = [
-                list(prompt_token_ids[i]) + list(output_token_ids[i]) if p.repetition_penalty != 1.0 else []
-                for i, p in enumerate(params)
-            ]
-            pen["seen_token_ids"], _ = _pad_repeating(seen, device)
-            pen["repetition_penalty"] = column([p.repetition_penalty if s else 1.0 for p, s in zip(params, seen)])
-        if any_presence_frequency:
-            outs = [output_token_ids[i] if p.presence_penalty or p.frequency_penalty else ()
-                    for i, p in enumerate(params)]
-            pen["output_token_ids"], pen["output_valid"] = _pad_repeating(outs, device)
-            pen["presence_penalty"] = column([p.presence_penalty for p in params])
-            pen["frequency_penalty"] = column([p.frequency_penalty for p in params])
-            pen["output_nonempty"] = column([1.0 if o else 0.0 for o in outs])
-
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         return cls(
             num_rows=len(params),
             vocab_size=vocab_size,
-            greedy_rows=greedy_rows,
-            random_rows=random_rows,
-            temperature=floats(temps, 1.0),
-            top_k=None if all(k == vocab_size for k in top_ks)
-            else torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_p=floats(top_ps, 1.0),
-            min_p=floats(min_ps, 0.0),
-            generators=gens,
-            min_tokens_rows=torch.tensor(mt_rows, dtype=torch.int64, device=device) if mt_rows else None,
-            min_tokens_ids=torch.tensor(mt_ids, dtype=torch.int64, device=device) if mt_rows else None,
+            **_random_row_tensors(params, generators, vocab_size, device),
+            **_min_tokens_mask(params, output_token_ids, tuple(eos_token_ids), vocab_size, device),
+            **_penalty_tensors(params, prompt_token_ids, output_token_ids, device),
             logprob_rows=logprob_rows,
-            num_logprobs=num_logprobs,
-            **pen,
+            num_logprobs=[params[i].logprobs for i in logprob_rows],
         )
+
+
+def _random_row_tensors(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                        vocab_size: int, device: torch.device | str) -> dict:
+    """Greedy and random row lists, and the random rows' temperature, truncation and generators."""
+    greedy = [i for i, p in enumerate(params) if p.temperature < 1e-5]
+    random = [i for i, p in enumerate(params) if p.temperature >= 1e-5]
+    chosen = [params[i] for i in random]
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in chosen]
+
+    def floats(values: list[float], skip_if: float) -> torch.Tensor | None:
+        if all(v == skip_if for v in values):
+            return None
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    return dict(
+        greedy_rows=greedy,
+        random_rows=random,
+        temperature=floats([p.temperature for p in chosen], 1.0),
+        top_k=None if all(k == vocab_size for k in top_ks) else torch.tensor(top_ks, dtype=torch.int64, device=device),
+        top_p=floats([p.top_p for p in chosen], 1.0),
+        min_p=floats([p.min_p for p in chosen], 0.0),
+        generators=[generators[i] for i in random],
+    )
+
+
+def _min_tokens_mask(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
+                     eos: tuple[int, ...], vocab_size: int, device: torch.device | str) -> dict:
+    """``(row, token)`` pairs to mask this step: stop ids of rows still short of ``min_tokens``."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for i, p in enumerate(params):
+        if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+            stops = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stops.update(eos)
+            stops = [t for t in stops if t < vocab_size]
+            rows.extend([i] * len(stops))
+            ids.extend(stops)
+    if not rows:
+        return dict(min_tokens_rows=None, min_tokens_ids=None)
+    return dict(min_tokens_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+                min_tokens_ids=torch.tensor(ids, dtype=torch.int64, device=device))
+
+
+def _penalty_tensors(params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
+                     output_token_ids: Sequence[Sequence[int]], device: torch.device | str) -> dict:
+    """Penalty columns and padded id lists for every row (see ``SamplingMetadata``); ``None`` if unused."""
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    pen: dict[str, torch.Tensor | None] = dict.fromkeys(
+        ("presence_penalty", "frequency_penalty", "repetition_penalty", "seen_token_ids",
+         "output_token_ids", "output_valid", "output_nonempty"))
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [
+            list(prompt_token_ids[i]) + list(output_token_ids[i]) if p.repetition_penalty != 1.0 else []
+            for i, p in enumerate(params)
+        ]
+        pen["seen_token_ids"], _ = _pad_repeating(seen, device)
+        pen["repetition_penalty"] = column([p.repetition_penalty if s else 1.0 for p, s in zip(params, seen)])
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        outs = [output_token_ids[i] if p.presence_penalty or p.frequency_penalty else ()
+                for i, p in enumerate(params)]
+        pen["output_token_ids"], pen["output_valid"] = _pad_repeating(outs, device)
+        pen["presence_penalty"] = column([p.presence_penalty for p in params])
+        pen["frequency_penalty"] = column([p.frequency_penalty for p in params])
+        pen["output_nonempty"] = column([1.0 if o else 0.0 for o in outs])
+    return pen
 
 
 def _pad_repeating(rows: Sequence[Sequence[int]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,28 +267,64 @@ class Sampler:
                 logprobs[row] = lp
         return SamplerOutput(sampled.tolist(), logprobs)
 
-    def _uniforms(self, md: SamplingMetadata) -> torch.Tensor:
-        """One U[0, 1) float64 per random row, each from that row's own generator."""
+    def _exponentials(self, md: SamplingMetadata) -> torch.Tensor:
+        """``q``: ``[len(md.random_rows), md.vocab_size]`` float32 Exp(1) draws (CPU), one vocabulary-sized
+        draw per random row: seeded rows from their own generator, the others from the sampler's."""
         gens = md.generators
         unseeded = [i for i, g in enumerate(gens) if g is None]
+        q = torch.empty(len(gens), md.vocab_size, dtype=torch.float32)
         if len(unseeded) == len(gens):
-            return torch.rand(len(gens), dtype=torch.float64, generator=self.generator)
-        u = torch.empty(len(gens), dtype=torch.float64)
+            return exponential_(q, self.generator)
         if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self.generator)
+            q[unseeded] = exponential_(torch.empty(len(unseeded), md.vocab_size), self.generator)
         for i, g in enumerate(gens):
             if g is not None:
-                u[i] = torch.rand(1, dtype=torch.float64, generator=g)
-        return u
+                exponential_(q[i], g)
+        return q
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        u = self._uniforms(md).to(logits.device)
+        q = self._exponentials(md).to(logits.device)
         logits = _apply_temperature(logits, md)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         for rows, w, ids in _candidates(logits, md.top_k, md.top_p, md.min_p):
-            idx = inverse_cdf_sample(w, u[rows])
-            out[rows] = idx if ids is None else ids.gather(1, idx.unsqueeze(1)).squeeze(1)
+            q_rows = q if len(rows) == len(q) else q[rows]
+            if ids is None:
+                out[rows] = exponential_race(w, q_rows)
+            else:
+                out[rows] = ids.gather(1, exponential_race(w, q_rows.gather(1, ids)).unsqueeze(1)).squeeze(1)
         return out
+
+
+def exponential_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill CPU float32 ``out`` in place with Exp(1) draws ``-log(U)``, ``U ~ U[0, 1)`` from ``generator``.
+
+    Rows are drawn in order, so filling ``[n, V]`` consumes the generator exactly as ``n`` fills of ``[V]``
+    (what :func:`advance_generator` relies on). ``U = 0`` gives ``q = inf``: that token cannot win, the
+    right limit. ``-log(U)`` rather than ``Tensor.exponential_``: the same law, half the CPU time.
+    """
+    return out.uniform_(generator=generator).log_().neg_()
+
+
+def advance_generator(generator: torch.Generator | None, num_tokens: int, vocab_size: int) -> None:
+    """Move a seeded request's generator past ``num_tokens`` sampled tokens: one ``[vocab_size]``
+    :func:`exponential_` draw each, as the sampler consumes. A request resumed on another engine then samples
+    what one engine would have."""
+    if generator is None:
+        return
+    scratch = torch.empty(min(num_tokens, _ADVANCE_CHUNK), vocab_size, dtype=torch.float32)
+    while num_tokens > 0:
+        rows = min(num_tokens, _ADVANCE_CHUNK)
+        scratch[:rows].uniform_(generator=generator)
+        num_tokens -= rows
+
+
+def exponential_race(weights: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Index ``i`` of each row with probability ``weights[r, i] / weights[r].sum()``: ``argmax(weights / q)``.
+
+    ``weights``: ``[R, N]`` non-negative, at least one positive per row; ``q``: ``[R, N]`` Exp(1) draws
+    (:func:`exponential_`). A zero weight never wins (its ratio is 0). Source: vLLM v1's ``random_sample``.
+    """
+    return (weights / q).max(dim=-1).indices
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -408,44 +452,6 @@ def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         w = w / w.sum(dim=-1, keepdim=True)
         out[rows] = w if ids is None else torch.zeros_like(out[rows]).scatter_(1, ids, w)
     return out
-
-
-def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index ``i`` of each row with probability ``weights[r, i] / weights[r].sum()``.
-
-    ``weights``: ``[R, N]`` non-negative, at least one positive per row; ``u``: ``[R]`` float64 in
-    [0, 1). Picks the first index whose cumulative weight exceeds ``u * total``; never a zero weight.
-    """
-    num_rows, n = weights.shape
-    if n <= 2 * _CDF_BLOCK:
-        return _search(weights, u)
-    nb = -(-n // _CDF_BLOCK)
-    if nb * _CDF_BLOCK != n:
-        weights = torch.nn.functional.pad(weights, (0, nb * _CDF_BLOCK - n))
-    blocks = weights.view(num_rows, nb, _CDF_BLOCK)
-    block_sums = blocks.sum(dim=-1).double()
-    cum = block_sums.cumsum(dim=-1)
-    target = _below_total(u * cum[:, -1], cum[:, -1])
-    b = torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=nb - 1)
-    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
-                         torch.zeros_like(target))
-    inner = blocks[torch.arange(num_rows, device=weights.device), b]
-    rem = (target - before) / block_sums.gather(1, b.unsqueeze(1)).squeeze(1)
-    return b * _CDF_BLOCK + _search(inner, rem.clamp_(0.0, 1.0))
-
-
-def _search(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    cum = weights.cumsum(dim=-1, dtype=torch.float64)
-    total = cum[:, -1]
-    target = _below_total(u * total, total)
-    idx = torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1)
-    # Rounding can push the target past the last positive weight: take that weight instead.
-    last_positive = weights.shape[1] - 1 - (weights.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(idx, last_positive)
-
-
-def _below_total(target: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    return torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
 
 
 def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, md: SamplingMetadata) -> list[SampleLogprobs]:

@@ -15,7 +15,9 @@ from transformers import (
 from pdserve.shared.engine.sampler import (
     Sampler,
     SamplingMetadata,
-    inverse_cdf_sample,
+    advance_generator,
+    exponential_,
+    exponential_race,
     process_logits,
     sampling_probs,
 )
@@ -211,26 +213,58 @@ def test_empirical_distribution_of_draws_matches_softmax(params):
     assert chi_square(obs, exp) < chi_square_bound(df)
 
 
-def test_inverse_cdf_over_full_vocab_matches_weights_and_never_picks_zero_weight():
+def test_exponential_race_matches_weights_and_never_picks_zero_weight():
     torch.manual_seed(5)
-    vocab, draws = 1300, 20000  # blocked search; not a multiple of the 256 block: exercises the padding
+    vocab, draws = 1300, 20000
     w = torch.zeros(vocab)
     support = torch.randperm(vocab)[:40]
     w[support] = torch.rand(40) + 0.05
-    u = torch.rand(draws, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
-    u[:3] = torch.tensor([0.0, 1.0 - 2**-53, 0.5])
-    idx = inverse_cdf_sample(w.expand(draws, vocab), u)
+    q = exponential_(torch.empty(draws, vocab), torch.Generator().manual_seed(9))
+    q[0, support] = float("inf")  # U = 0 exactly: that token cannot win
+    q[0, support[7]] = 1.0
+    idx = exponential_race(w.expand(draws, vocab), q)
+    assert int(idx[0]) == int(support[7])
     assert bool((w[idx] > 0).all())
     counts = torch.bincount(idx, minlength=vocab).double()[support]
     expected = (w[support] / w.sum()).double() * draws
     assert chi_square(counts, expected) < chi_square_bound(39)
 
 
-def test_inverse_cdf_is_monotone_in_u():
-    w = torch.tensor([[0.1, 0.0, 0.2, 0.3, 0.0, 0.4]])
-    us = torch.tensor([0.0, 0.09, 0.11, 0.29, 0.31, 0.59, 0.61, 0.999999], dtype=torch.float64)
-    idx = [int(inverse_cdf_sample(w, u.reshape(1))) for u in us]
-    assert idx == [0, 0, 2, 2, 3, 3, 5, 5]
+def test_exponential_draws_are_exp1_and_rows_consume_the_generator_in_order():
+    q = exponential_(torch.empty(4, 50_000), torch.Generator().manual_seed(3))
+    assert bool((q > 0).all())
+    assert float(q.mean()) == pytest.approx(1.0, abs=0.01) and float(q.var()) == pytest.approx(1.0, abs=0.03)
+    one_by_one = torch.Generator().manual_seed(3)
+    assert all(torch.equal(q[i], exponential_(torch.empty(50_000), one_by_one)) for i in range(4))
+
+
+def test_advance_generator_skips_exactly_what_sampled_tokens_consume():
+    vocab = 300
+    params = [SamplingParams(temperature=1.0, seed=11)]
+    torch.manual_seed(1)
+    steps = [torch.randn(1, vocab) * 2 for _ in range(140)]
+    g = torch.Generator().manual_seed(11)
+    md = metadata(params, generators=[g], vocab=vocab)
+    sampler = Sampler(0)
+    straight = [sampler(x, md).sampled_token_ids[0] for x in steps]
+    for skip in (1, 5, 70, 130):  # 70 and 130 cross the chunked skip's 64 rows
+        g = torch.Generator().manual_seed(11)
+        advance_generator(g, skip, vocab)
+        md = metadata(params, generators=[g], vocab=vocab)
+        assert [sampler(x, md).sampled_token_ids[0] for x in steps[skip:]] == straight[skip:]
+
+
+def test_seeded_draw_survives_float_noise_that_flips_inverse_cdf():
+    # The same logits with fp32-sized noise (as from another batch shape): the race keeps its token on
+    # (nearly) every draw over the full vocabulary at T=1, where inverse-CDF sampling flipped 10 of these 1000.
+    vocab, draws = SEED_VOCAB, 1000
+    torch.manual_seed(8)
+    base = torch.randn(draws, vocab) * 3
+    noisy = base + torch.randn(draws, vocab) * 1e-5 * base.abs()
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(draws)]
+    a = Sampler(0)(base, metadata(params, generators=seeded(params), vocab=vocab)).sampled_token_ids
+    b = Sampler(0)(noisy, metadata(params, generators=seeded(params), vocab=vocab)).sampled_token_ids
+    assert sum(x != y for x, y in zip(a, b)) <= 1
 
 
 # ---- seeds -----------------------------------------------------------------------------------
