@@ -30,6 +30,8 @@ from support.redis_server import RedisServer
 
 schemathesis = pytest.importorskip("schemathesis")
 
+pytestmark = pytest.mark.slow
+
 POD = "fuzz-decode"
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.loadtest import chaos, overload
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_QUEUED = 4
 

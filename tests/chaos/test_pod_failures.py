@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.loadtest import chaos
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ENV = {
     "PDSERVE_CLAIM_IDLE_S": "3",        # a dead prefill worker's entries are taken over after 3 s

@@ -17,7 +17,7 @@ from pdserve.loadtest import chaos
 from pdserve.shared.protocol import keys
 from support.redis_server import RedisServer
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_QUEUED = 4
 ENV = {

@@ -44,7 +44,7 @@ from pdserve.shared.transport.client import KVTransferClient
 from pdserve.shared.transport.frames import Reserve
 from pdserve.shared.transport.layout import KVLayout
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BLOCK = 16
 PROMPT_TOKENS = 72

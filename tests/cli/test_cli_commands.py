@@ -6,11 +6,13 @@ import subprocess
 import sys
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from pdserve.services import cli
 
 
+@pytest.mark.slow
 def test_help_lists_every_service_without_importing_them():
     code = ("import sys; from pdserve.services.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"

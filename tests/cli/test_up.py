@@ -92,6 +92,7 @@ def all_gone(procs: list[psutil.Process], timeout_s: float = 20) -> bool:
     return all(p.status() == psutil.STATUS_ZOMBIE for p in alive if p.is_running())
 
 
+@pytest.mark.slow
 def test_up_starts_redis_and_registry_and_sigterm_leaves_no_process(tmp_path):
     up = Up("--prefill", "0", "--decode", "0", "--no-router", "--log-dir", str(tmp_path / "logs"),
             env={"PDSERVE_REGISTRY_TOKEN": TOKEN})
@@ -154,6 +155,7 @@ def test_up_starts_redis_and_registry_and_sigterm_leaves_no_process(tmp_path):
             up.proc.kill()
 
 
+@pytest.mark.slow
 def test_sigkilled_up_still_takes_its_children_down(tmp_path):
     up = Up("--prefill", "0", "--decode", "0", "--no-router", "--log-dir", str(tmp_path / "logs"))
     up.wait_for("Press Ctrl-C to stop")
@@ -164,6 +166,7 @@ def test_sigkilled_up_still_takes_its_children_down(tmp_path):
     assert all_gone(children)
 
 
+@pytest.mark.slow
 def test_a_child_failing_at_startup_is_reported_with_its_log_and_everything_stops(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -182,6 +185,7 @@ def test_a_child_failing_at_startup_is_reported_with_its_log_and_everything_stop
     assert leftovers == []
 
 
+@pytest.mark.slow
 def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
     up = Up("--prefill", "0", "--decode", "0", "--no-router", "--log-dir", str(tmp_path / "logs"), "--follow-logs",
             env={"REDIS_URL": redis_server.url})
@@ -212,6 +216,7 @@ def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
             up.proc.kill()
 
 
+@pytest.mark.slow
 def test_a_model_typo_is_one_line_and_starts_nothing(tmp_path):
     up = Up("--model", "smollm2-135m-instruc", "--log-dir", str(tmp_path / "logs"))
     out = up.finish()
@@ -221,6 +226,7 @@ def test_a_model_typo_is_one_line_and_starts_nothing(tmp_path):
     assert not (tmp_path / "logs").exists()  # not even Redis was started
 
 
+@pytest.mark.slow
 def test_a_stop_request_ends_the_startup_wait_even_while_a_health_probe_hangs(tmp_path):
     """Ctrl-C while the start-up probe waits on a child that accepts but does not answer (a loading worker): the
     signal handler only records it (an exception raised from a handler is lost when it lands in a library's
@@ -262,6 +268,7 @@ def test_one_ctrl_c_during_startup_stops_everything_cleanly(tmp_path):
             up.proc.kill()
 
 
+@pytest.mark.slow
 def test_up_refuses_an_unreachable_redis():
     up = Up("--no-router", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     out = up.finish()
@@ -296,6 +303,7 @@ def test_plan_forwards_engine_flags_and_gives_every_worker_its_own_ports(tmp_pat
     assert {c.env["PDSERVE_REGISTRY_TOKEN"] for c in plan(opts, tmp_path)} == {TOKEN}
 
 
+@pytest.mark.slow
 def test_up_with_the_router_prints_a_working_openai_base_url(tmp_path):
     port = free_port()
     up = Up("--prefill", "0", "--decode", "0", "--port", str(port), "--log-dir", str(tmp_path / "logs"))

@@ -18,6 +18,8 @@ from support.ensemble import Ensemble
 
 openai = pytest.importorskip("openai")
 
+pytestmark = pytest.mark.slow
+
 MODEL = "smollm2-135m-instruct"
 LENGTHS = [1, 15, 16, 17, 33, 120]
 

@@ -17,7 +17,7 @@ from pdserve.loadtest.sse import read_chunks
 from support.ensemble import Ensemble
 
 MODEL = "smollm2-135m-instruct"
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def worker_pid(ensemble: Ensemble, pod_id: str) -> int:

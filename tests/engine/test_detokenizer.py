@@ -137,6 +137,7 @@ def token_sequences(tokenizer):
     return _SEQUENCES[id(tokenizer)]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_token_streams_concatenate_to_full_decode(tokenizer, data):

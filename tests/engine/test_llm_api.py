@@ -11,6 +11,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.shared.engine.llm_engine import RequestRejected
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 

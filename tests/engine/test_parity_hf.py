@@ -8,6 +8,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 LENGTHS = [1, 15, 16, 17, 31, 33, 120]
 NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW)

@@ -12,6 +12,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.shared.engine.llm_engine import RequestRejected
 
+pytestmark = pytest.mark.slow
+
 _ids = itertools.count()
 
 

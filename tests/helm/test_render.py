@@ -24,6 +24,7 @@ CRD_KINDS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_every_manifest_validates_strictly(rendered, kube_version):
     case, docs = rendered

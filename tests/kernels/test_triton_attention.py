@@ -21,6 +21,8 @@ from pdserve.kernels.triton_paged_attention_prefill import paged_attention_prefi
 from pdserve.kernels.triton_reshape_and_cache import reshape_and_cache
 from triton_cases import REL_TOL, make_step, rel_err
 
+pytestmark = pytest.mark.slow
+
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 

@@ -20,6 +20,8 @@ from pdserve.kernels.backend import (
 )
 from triton_cases import REL_TOL, make_step, rel_err
 
+pytestmark = pytest.mark.slow
+
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 

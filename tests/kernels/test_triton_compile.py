@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.slow
+
 SHARED_MEMORY_BYTES = {90: 227 * 1024, 80: 163 * 1024}  # per block, opt-in maximum (CUDA guide)
 
 _SCRIPT = r"""

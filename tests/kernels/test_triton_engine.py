@@ -17,6 +17,8 @@ import pytest
 
 llm_module = pytest.importorskip("pdserve.shared.engine.llm", reason="the engine is not importable yet")
 
+pytestmark = pytest.mark.slow
+
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 

@@ -14,6 +14,8 @@ from pdserve.loadtest.procs import free_port
 
 from loadtest_support import TOKENIZER
 
+pytestmark = pytest.mark.slow
+
 VLLM_KEYS = [
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
     "request_goodput", "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts",

@@ -18,6 +18,7 @@ def run(*args: str):
     return CliRunner().invoke(bench, list(args), catch_exceptions=False)
 
 
+@pytest.mark.slow
 def test_sweep_reports_slo_capacity_and_plots(mock, tmp_path):
     out = tmp_path / "sweep"
     r = run("sweep", "--disable-tqdm", "--base-url", mock.url, "--tokenizer", TOKENIZER, "--num-prompts", "6",
@@ -35,6 +36,7 @@ def test_sweep_reports_slo_capacity_and_plots(mock, tmp_path):
     assert "SLO capacity (custom" in r.output and "20 req/s" in r.output
 
 
+@pytest.mark.slow
 def test_sweep_with_impossible_slo_has_no_capacity(mock, tmp_path):
     out = tmp_path / "sweep"
     r = run("sweep", "--disable-tqdm", "--base-url", mock.url, "--tokenizer", TOKENIZER, "--num-prompts", "4",
@@ -48,6 +50,7 @@ def test_sweep_with_impossible_slo_has_no_capacity(mock, tmp_path):
     assert all(p["slo_p_ttft_ms"] >= 50 for p in summary["points"])
 
 
+@pytest.mark.slow
 def test_sweep_argument_errors_are_one_line(mock):
     r = run("sweep", "--base-url", mock.url, "--slo", "ttft:1", "tpot:1")
     assert r.exit_code == 1 and r.output.splitlines() == [
@@ -58,6 +61,7 @@ def test_sweep_argument_errors_are_one_line(mock):
     assert r.output.splitlines() == ["Error: --request-rates must be positive numbers or inf, got '1,-2'"]
 
 
+@pytest.mark.slow
 def test_client_overhead_reports_sustained_rate(tmp_path):
     out = tmp_path / "overhead.json"
     r = run("client-overhead", "--num-prompts", "200", "--max-concurrency", "16", "--output-len", "8",
@@ -103,6 +107,7 @@ def test_pd_vs_colocated_against_the_embedded_ensemble(tmp_path):
         assert res["p99_ttft_ms"] > 0
 
 
+@pytest.mark.slow
 def test_pd_vs_colocated_runs_both_modes_and_prints_one_table(tmp_path):
     # `pdserve up` stands in as two mock servers with different speeds (the ensemble has its own test
     # below); everything else is the real command: start on free ports, wait for /health, run, SIGTERM.

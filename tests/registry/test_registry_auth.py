@@ -114,6 +114,7 @@ REFUSED = [
 ]
 
 
+@pytest.mark.slow
 def test_every_route_refuses_a_caller_without_the_token_and_changes_nothing(secured):
     url = secured.url
     httpx.post(f"{url}/v1/pods", json=pod().model_dump(mode="json"), headers=bearer(TOKEN)).raise_for_status()
@@ -134,6 +135,7 @@ def test_every_route_refuses_a_caller_without_the_token_and_changes_nothing(secu
     assert (kv["epoch"], kv["seq"], kv["block_hashes"]) == ("e1", 1, sorted(HASHES))
 
 
+@pytest.mark.slow
 def test_the_token_opens_every_route(secured):
     url, auth = secured.url, bearer(TOKEN)
     stored = httpx.post(f"{url}/v1/pods", json=pod().model_dump(mode="json"), headers=auth).json()
@@ -155,6 +157,7 @@ def test_the_token_opens_every_route(secured):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "http_port"
 
 
+@pytest.mark.slow
 def test_health_and_metrics_stay_open_and_refusals_are_counted_not_logged_with_the_token(secured):
     url = secured.url
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
@@ -172,6 +175,7 @@ def test_health_and_metrics_stay_open_and_refusals_are_counted_not_logged_with_t
     assert TOKEN not in log and "guess-1" not in log and "guess-2" not in log
 
 
+@pytest.mark.slow
 def test_the_auth_token_flag_sets_the_token_too(redis_url, tmp_path):
     registry = RegistryProcess(redis_url, tmp_path / "flag.log", "--auth-token", "from-the-flag")
     try:
@@ -182,6 +186,7 @@ def test_the_auth_token_flag_sets_the_token_too(redis_url, tmp_path):
         registry.stop()
 
 
+@pytest.mark.slow
 def test_without_a_token_the_registry_is_open_and_says_so(redis_url, tmp_path):
     registry = RegistryProcess(redis_url, tmp_path / "open.log")
     try:
@@ -194,6 +199,7 @@ def test_without_a_token_the_registry_is_open_and_says_so(redis_url, tmp_path):
         registry.stop()
 
 
+@pytest.mark.slow
 def test_an_empty_token_is_refused_at_startup_not_taken_for_none(redis_url, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.services.cli", "registry", "--port", str(free_port()), "--redis-url",
@@ -207,6 +213,7 @@ async def _list(url: str, token: str | None) -> list[PodInfo]:
         return await client.list_pods()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_worker_with_the_token_heartbeats_and_one_without_gets_a_clear_error(secured, monkeypatch):
     from pdserve.shared.worker.base import Worker
@@ -237,6 +244,7 @@ async def test_a_worker_with_the_token_heartbeats_and_one_without_gets_a_clear_e
     assert [p["pod_id"] for p in registered(secured.url)] == ["decode-0"]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_refused_heartbeat_is_not_retried(secured):
     async with RegistryClient(secured.url, token="not-the-token") as wrong:
@@ -288,6 +296,7 @@ def test_the_worker_flag_and_variable_reach_the_worker_settings(monkeypatch, rol
     assert "tok-env" not in repr(built[1])  # settings print masked
 
 
+@pytest.mark.slow
 def test_a_worker_process_with_a_wrong_token_exits_at_startup_instead_of_serving_unlisted(secured, redis_url,
                                                                                          tmp_path):
     """A configuration error must be loud: the worker process exits non-zero (Kubernetes crash-loops it) with

@@ -13,7 +13,7 @@ from support.redis_server import free_port
 
 from pdserve.shared.protocol.registry import PodInfo
 
-pytestmark = [pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def start_registry(redis_url: str, port: int, log_path) -> subprocess.Popen:

@@ -15,6 +15,8 @@ import pytest
 
 from router_harness import free_port
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def router_process(redis_url, registry_url, pods, tmp_path):

@@ -25,7 +25,7 @@ BLOCK_BYTES = 30 * 2 * BLOCK * 3 * 64 * 4
 LOCAL_THRESHOLD = 20
 TEXT = " ".join(f"Step {i}: mix {i} cups of flour with {3 * i} eggs and bake for {10 + i} minutes." for i in range(90))
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

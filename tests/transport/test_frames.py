@@ -136,6 +136,7 @@ def hostile_streams(draw) -> bytes:
     return struct.pack(">I", draw(st.integers(0, 2**32 - 1))) + draw(st.binary(max_size=64))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hostile_streams())
 def test_fuzzed_streams_raise_only_frame_errors_and_allocate_within_the_limits(data):

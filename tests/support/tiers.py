@@ -1,0 +1,68 @@
+"""Keeps the fast tier fast: under ``-m "not slow"``, a test not marked ``slow`` that loads the real model's
+weights or starts a process other than ``redis-server`` fails and says which marker it lacks (tests/README.md
+"Tiers"). The full run (no ``-m``) is not watched: CI runs every test whatever its marks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+_state = {"watch": False, "test": None}
+_ALLOWED = ("redis-server",)  # a real Redis starts in milliseconds: the fast tier may use one
+
+
+def _refuse(what: str) -> None:
+    if _state["watch"] and _state["test"] is not None:
+        raise RuntimeError(f"fast tier: {_state['test']} {what}; mark it @pytest.mark.slow (tests/README.md \"Tiers\")")
+
+
+def _install() -> None:
+    popen_init = subprocess.Popen.__init__
+
+    def guarded_init(self, args, *a, **k):
+        argv = args if isinstance(args, (list, tuple)) else [args]
+        name = os.path.basename(str(argv[0]))
+        if not name.startswith(_ALLOWED):
+            _refuse(f"starts a process ({' '.join(map(str, argv[:4]))})")
+        popen_init(self, args, *a, **k)
+
+    subprocess.Popen.__init__ = guarded_init
+
+    from pdserve.shared.engine import llm_engine
+
+    load_model = llm_engine.load_model
+
+    def guarded_load_model(*a, **k):
+        _refuse("loads the model's weights")
+        return load_model(*a, **k)
+
+    llm_engine.load_model = guarded_load_model
+
+    import transformers
+
+    from_pretrained = transformers.PreTrainedModel.from_pretrained.__func__
+
+    def guarded_from_pretrained(cls, *a, **k):
+        _refuse(f"loads an HF model ({cls.__name__})")
+        return from_pretrained(cls, *a, **k)
+
+    transformers.PreTrainedModel.from_pretrained = classmethod(guarded_from_pretrained)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    markexpr = (config.option.markexpr or "").replace(" ", "")
+    if markexpr == "notslow" or markexpr.startswith("notslowand"):
+        _state["watch"] = True
+        _install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    _state["test"] = None if item.get_closest_marker("slow") else item.nodeid
+    try:
+        yield
+    finally:
+        _state["test"] = None
