@@ -15,7 +15,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from pdserve.shared.engine.sampling_params import SamplingParams
+        from pdserve.shared.protocol.sampling_params import SamplingParams
 
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):

@@ -16,9 +16,9 @@ from collections import OrderedDict
 from redis.exceptions import RedisError, ResponseError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
-from pdserve.shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import MessageError, PrefillRequest
+from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.shared.transport.frames import Commit, CommitReply, Reserve, ReserveReply
 from pdserve.shared.transport.server import KVTransferServer
 from pdserve.shared.worker.base import Worker

@@ -21,9 +21,9 @@ import time
 from redis.exceptions import RedisError, ResponseError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
-from pdserve.shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import MessageError, PrefillRequest
+from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.shared.transport.client import KVTransferClient, KVTransferError
 from pdserve.shared.transport.frames import Commit, Reserve
 from pdserve.shared.transport.handshake import HandshakeError

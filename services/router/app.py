@@ -182,7 +182,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         redis = Redis.from_pool(pool)
         owns_directory = directory is None
         if directory is None:
-            from pdserve.shared.protocol.registry import RegistryClient
+            from pdserve.shared.registry_client import RegistryClient
             directory = RegistryClient(settings.registry_url, token=settings.registry_token)
         app.state.router = RouterState(
             settings=settings, processor=processor, redis=redis,

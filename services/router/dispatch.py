@@ -29,10 +29,10 @@ from typing import Any, Protocol, Sequence
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from pdserve.shared.engine.block_hash import compute_block_hashes
 from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.block_hash import compute_block_hashes
 from pdserve.shared.protocol.messages import PrefillRequest
-from pdserve.shared.protocol.registry import RegistryAuthError
+from pdserve.shared.registry_client import RegistryAuthError
 
 from .errors import OpenAIError
 from .kv_routing import Candidate, RoundRobin, choose, pod_load, uncached_tokens

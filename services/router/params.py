@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from pdserve.shared.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 from .errors import OpenAIError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest

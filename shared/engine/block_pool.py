@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.shared.engine.block_hash import BlockHash
+from pdserve.shared.protocol.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens used as decoding context.
 _PROMPT_CONTEXT = 5

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.llm_engine import LLMEngine
 from pdserve.shared.engine.outputs import RequestOutput
-from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
 

@@ -23,12 +23,12 @@ from pdserve.shared.engine.model_runner import ModelRunner, PromptLogits
 from pdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pdserve.shared.engine.request import FINISH_REASONS, Request, RequestStatus
 from pdserve.shared.engine.sampler import Sampler, SamplingMetadata, advance_generator
-from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder
 from pdserve.shared.engine.swap import SwapManager
 from pdserve.shared.models.loader import load_config, load_model
 from pdserve.shared.models.resolve import resolve_model
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.shared.engine.block_hash import BlockHash, compute_block_hashes
+from pdserve.shared.protocol.block_hash import BlockHash, compute_block_hashes
 
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.shared.engine.sampling_params import SamplingParams
+    from pdserve.shared.protocol.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

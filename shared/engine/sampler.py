@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 _TOP_K_TIE_SLACK = 16
 _TOP_P_WINDOWS = (512, 2048, 8192)

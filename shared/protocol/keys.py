@@ -5,7 +5,7 @@ Streams:
   ``pdserve:decode:{pod_id}``    a decode pod's own queue, for requests it prefills itself (local prefill, or no
                                  prefill tier); entries are ``PrefillRequest``; group ``DECODE_GROUP``.
   ``pdserve:out:{request_id}``   one request's output; entries are ``OutputEvent``, written with
-                                 ``messages.OutputWriter`` (skips aborted requests, refreshes the TTL
+                                 ``OutputWriter`` of shared/worker/output_writer.py (skips aborted requests, refreshes the TTL
                                  ``OUTPUT_TTL_S`` on every event); the router deletes it once it has read the
                                  final event.
 Keys:

@@ -22,12 +22,15 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.shared.engine.engine_thread import EngineThread
 from pdserve.shared.engine.llm_engine import LLMEngine
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.kv_events import KVEventPublisher
-from pdserve.shared.protocol.registry import Heartbeater, PodInfo, RegistryAuthError, RegistryClient
+from pdserve.shared.protocol.messages import OutputEvent
+from pdserve.shared.protocol.registry import PodInfo
+from pdserve.shared.registry_client import RegistryAuthError, RegistryClient
 from pdserve.shared.transport.layout import KVLayout
-from pdserve.shared.protocol.messages import OutputEvent, OutputWriter
 from pdserve.shared.worker.events import UnpublishableOutput, error_event, publish, to_event
+from pdserve.shared.worker.heartbeat import Heartbeater
+from pdserve.shared.worker.kv_publisher import KVEventPublisher
 from pdserve.shared.worker.metrics import WorkerMetrics
+from pdserve.shared.worker.output_writer import OutputWriter
 from pdserve.shared.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)

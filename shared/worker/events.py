@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pdserve.shared.engine.outputs import RequestOutput
-from pdserve.shared.protocol.messages import OutputEvent, OutputWriter, TokenLogprob
+from pdserve.shared.protocol.messages import OutputEvent, TokenLogprob
+from pdserve.shared.worker.output_writer import OutputWriter
 from pdserve.shared.worker.redis_retry import retry_redis
 
 

@@ -25,7 +25,8 @@ from pdserve.services.router.prompts import PromptProcessor
 from pdserve.services.router.settings import RouterSettings
 from pdserve.shared.models.resolve import resolve_model
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import MessageError, OutputEvent, OutputWriter, PrefillRequest
+from pdserve.shared.protocol.messages import MessageError, OutputEvent, PrefillRequest
+from pdserve.shared.worker.output_writer import OutputWriter
 from support.redis_server import RedisServer
 
 schemathesis = pytest.importorskip("schemathesis")

@@ -13,7 +13,8 @@ from redis.asyncio import Redis
 
 from pdserve.services.router.errors import OpenAIError
 from pdserve.services.router.relay import ChoiceRoute, OutputRelay, accept
-from pdserve.shared.protocol.messages import OutputEvent, OutputWriter
+from pdserve.shared.protocol.messages import OutputEvent
+from pdserve.shared.worker.output_writer import OutputWriter
 
 
 def ev(rid: str, tokens: list[int], completion: int, finish: str | None = None, **kw) -> OutputEvent:

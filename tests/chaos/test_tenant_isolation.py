@@ -35,11 +35,11 @@ from pdserve.loadtest import chaos
 from pdserve.services.router.dispatch import Dispatcher, RoutingConfig
 from pdserve.services.router.migration import Migrator
 from pdserve.services.router.relay import ChoiceRoute
-from pdserve.shared.engine.block_hash import compute_block_hashes
-from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.block_hash import compute_block_hashes
 from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest
-from pdserve.shared.protocol.registry import RegistryClient
+from pdserve.shared.protocol.sampling_params import SamplingParams
+from pdserve.shared.registry_client import RegistryClient
 from pdserve.shared.transport.client import KVTransferClient
 from pdserve.shared.transport.frames import Reserve
 from pdserve.shared.transport.layout import KVLayout

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
 from pdserve.shared.engine.request import Request, RequestStatus
-from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.swap import SwapManager
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 BLOCK = 4
 

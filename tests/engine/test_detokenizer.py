@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer, check_stop_token
-from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.models.resolve import resolve_model
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 REPLACEMENT = "\ufffd"
 TEXTS = [

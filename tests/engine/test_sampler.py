@@ -21,7 +21,7 @@ from pdserve.shared.engine.sampler import (
     process_logits,
     sampling_probs,
 )
-from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 VOCAB = 49152
 EOS = 2

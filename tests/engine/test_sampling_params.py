@@ -6,7 +6,7 @@ import math
 import msgpack
 import pytest
 
-from pdserve.shared.engine.sampling_params import (
+from pdserve.shared.protocol.sampling_params import (
     SamplingParams,
     SamplingParamsError,
     SamplingType,
@@ -208,7 +208,7 @@ def test_for_child_gives_n_1_and_distinct_seeds():
 
 
 def test_stop_strings_are_limited_in_number_and_length():
-    from pdserve.shared.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+    from pdserve.shared.protocol.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
     assert (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (32, 256)
     at_limit = [f"{i:03d}" + "z" * 253 for i in range(32)]

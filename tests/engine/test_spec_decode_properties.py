@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_block_pool_properties import BLOCK, check_invariants
 
-from pdserve.shared.engine.block_hash import compute_block_hashes
+from pdserve.shared.protocol.block_hash import compute_block_hashes
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
 from pdserve.shared.engine.request import Request, RequestStatus
-from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.swap import SwapManager
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.engine.spec_decode import rejection_sampler as rs
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
 from pdserve.shared.engine.spec_decode.ngram_proposer import NgramProposer

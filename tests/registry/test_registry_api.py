@@ -11,7 +11,9 @@ import pytest_asyncio
 
 from pdserve.services.registry.app import create_app
 from pdserve.services.registry.settings import RegistrySettings
-from pdserve.shared.protocol.registry import Heartbeater, PodInfo, RegistryClient, RegistryError
+from pdserve.shared.protocol.registry import PodInfo
+from pdserve.shared.registry_client import RegistryClient, RegistryError
+from pdserve.shared.worker.heartbeat import Heartbeater
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 

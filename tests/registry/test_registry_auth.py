@@ -18,7 +18,11 @@ import httpx
 import pytest
 from support.redis_server import free_port
 
-from pdserve.shared.protocol.registry import Heartbeater, PodInfo, RegistryAuthError, RegistryClient
+from pdserve.shared.protocol.registry import PodInfo
+
+from pdserve.shared.worker.heartbeat import Heartbeater
+
+from pdserve.shared.registry_client import RegistryAuthError, RegistryClient
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import redis
 
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import OutputEvent, OutputWriter, PrefillRequest, TokenLogprob
+from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest, TokenLogprob
+from pdserve.shared.worker.output_writer import OutputWriter
 
 PARIS = " The capital of France is Paris."
 FILLER = " The quick brown fox jumps over the lazy dog."

@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import MessageError, OutputEvent, OutputWriter, PrefillRequest, TokenLogprob
+from pdserve.shared.protocol.messages import MessageError, OutputEvent, PrefillRequest, TokenLogprob
+from pdserve.shared.protocol.sampling_params import SamplingParams
+from pdserve.shared.worker.output_writer import OutputWriter
 
 
 def roundtrip(redis_client, stream, fields):

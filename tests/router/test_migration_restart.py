@@ -15,7 +15,7 @@ from router_harness import ThreadServer
 from pdserve.services.router.dispatch import Dispatcher
 from pdserve.services.router.migration import Migrator
 from pdserve.services.router.relay import ChoiceRoute
-from pdserve.shared.protocol.registry import RegistryClient
+from pdserve.shared.registry_client import RegistryClient
 
 
 def health_server(started_at: float) -> ThreadServer:

@@ -20,10 +20,12 @@ import redis.asyncio as aioredis
 from pdserve.services.registry.app import create_app
 from pdserve.services.registry.kv_index import blocks_key, seq_key
 from pdserve.services.registry.settings import RegistrySettings
-from pdserve.shared.engine.block_hash import compute_block_hashes
 from pdserve.shared.engine.block_pool import BlockPool
-from pdserve.shared.protocol.kv_events import KVEvent, KVEventBatch, KVEventPublisher
-from pdserve.shared.protocol.registry import PodInfo, RegistryClient
+from pdserve.shared.protocol.block_hash import compute_block_hashes
+from pdserve.shared.protocol.kv_events import KVEvent, KVEventBatch
+from pdserve.shared.protocol.registry import PodInfo
+from pdserve.shared.registry_client import RegistryClient
+from pdserve.shared.worker.kv_publisher import KVEventPublisher
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 

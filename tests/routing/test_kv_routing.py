@@ -22,9 +22,10 @@ from pdserve.services.router.errors import OpenAIError
 from pdserve.services.router.kv_routing import (Candidate, RoundRobin, choose, costs, pod_load, probabilities,
                                                 uncached_tokens)
 from pdserve.services.router.metrics import RouterMetrics
-from pdserve.shared.engine.block_hash import compute_block_hashes
+from pdserve.shared.protocol.block_hash import compute_block_hashes
 from pdserve.shared.protocol.kv_events import KVEvent, KVEventBatch
-from pdserve.shared.protocol.registry import PodInfo, RegistryClient
+from pdserve.shared.protocol.registry import PodInfo
+from pdserve.shared.registry_client import RegistryClient
 
 
 @dataclass

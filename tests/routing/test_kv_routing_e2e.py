@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.shared.engine.block_hash import compute_block_hashes
+from pdserve.shared.protocol.block_hash import compute_block_hashes
 from support.ensemble import Ensemble
 
 openai = pytest.importorskip("openai")

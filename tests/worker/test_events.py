@@ -9,8 +9,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import OutputEvent, OutputWriter
+from pdserve.shared.protocol.messages import OutputEvent
 from pdserve.shared.worker.events import publish
+from pdserve.shared.worker.output_writer import OutputWriter
 
 
 def test_publish_writes_events_and_skips_aborted(redis_url):
@@ -53,7 +54,7 @@ def test_a_steps_output_is_unchanged_by_the_next_step():
     output must be a snapshot (it once shared the request's logprob list, so step k's token met step k+1's entry)."""
     from pdserve.shared.engine.config import EngineConfig
     from pdserve.shared.engine.llm_engine import LLMEngine
-    from pdserve.shared.engine.sampling_params import SamplingParams
+    from pdserve.shared.protocol.sampling_params import SamplingParams
     from pdserve.shared.worker.events import to_event
 
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", dtype="float32"))

@@ -96,7 +96,7 @@ def test_a_prefill_pod_prefills_a_long_prompt_in_bounded_steps_and_an_abort_betw
     one 512-token chunk, not a whole long prompt (issue 12.C)."""
     from pdserve.services.prefill.worker import PrefillSettings
     from pdserve.shared.engine.llm_engine import LLMEngine
-    from pdserve.shared.engine.sampling_params import SamplingParams
+    from pdserve.shared.protocol.sampling_params import SamplingParams
 
     settings = PrefillSettings(kv_cache_memory="96MiB", max_model_len=2048)
     budget = settings.max_num_batched_tokens
