@@ -68,7 +68,8 @@ class RegistryProcess:
             [sys.executable, "-m", "pdserve.services.cli", "registry", "--host", "127.0.0.1", "--port",
              str(self.port), "--redis-url", redis_url, *args],
             stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-            env={**environ, "PDSERVE_LOG_LEVEL": "info", **(env or {})})
+            # a TTL no loaded CI machine outlasts: a test's pod must not expire between its calls
+            env={**environ, "PDSERVE_LOG_LEVEL": "info", "PDSERVE_POD_TTL_S": "600", **(env or {})})
         deadline = time.monotonic() + 60
         while True:
             assert self.proc.poll() is None, f"registry exited: {self.log()}"
