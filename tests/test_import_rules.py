@@ -1,0 +1,27 @@
+"""The import rules of docs/design.md §1, as import-linter contracts (``[tool.importlinter]`` in pyproject.toml):
+the router and the registry never import the engine, the model code, torch or transformers (beyond the
+router's tokenizer); no service imports another service. Plus the runtime fact the first rule is for: starting
+the router's or the registry's app loads no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from importlinter.cli import lint_imports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts_are_kept():
+    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+
+
+def test_router_and_registry_apps_load_without_torch():
+    code = ("import sys; import pdserve.services.router.app, pdserve.services.router.main, "
+            "pdserve.services.registry.app, pdserve.services.registry.main; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules) + "
+            "sorted(m for m in sys.modules if m.startswith('pdserve.shared.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
