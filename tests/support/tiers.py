@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -31,15 +32,20 @@ def _install() -> None:
 
     subprocess.Popen.__init__ = guarded_init
 
-    from pdserve.shared.engine import llm_engine
+    from pdserve.shared.models import loader
 
-    load_model = llm_engine.load_model
+    load_model = loader.load_model
 
     def guarded_load_model(*a, **k):
         _refuse("loads the model's weights")
         return load_model(*a, **k)
 
-    llm_engine.load_model = guarded_load_model
+    # the loader and every module that imported its function by name (the engine does)
+    import pdserve.shared.engine.llm_engine  # noqa: F401
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("pdserve.") and m is not None]:
+        if getattr(module, "load_model", None) is load_model:
+            module.load_model = guarded_load_model
 
     import transformers
 
