@@ -82,6 +82,23 @@ class PrefillWatch:
             return None
         return "its queue entry and its state vanished (Redis lost its data?)"
 
+    async def check_held(self, route: Any, silent_s: float) -> str | None:
+        """A reason to move a request its decode pod took over (no queue entry left) and that has been silent for
+        ``silent_s``, or None. Asked only past ``stall_s`` of silence: a live pod that no longer holds the request
+        (dropped it as an orphan while Redis had lost the router's key, or lost it any other way) would otherwise
+        leave the client waiting for the request timeout; a pod that holds it (a long step, preempted) is waited
+        for. Like ``check``: a pod that does not answer is the decode stall check's, and it must say so twice."""
+        if route.queue_entry or silent_s < self.stall_s:
+            return None
+        held = await self._decode_pod_holds(route)
+        if held is None or held:
+            route.vanished = False
+            return None
+        if not route.vanished:
+            route.vanished = True
+            return None
+        return f"decode pod {route.pod_id} no longer holds it after {silent_s:.0f} s without output"
+
     async def _prefill_pods(self) -> bool:
         try:
             return bool(await self.dispatcher.pods("prefill"))

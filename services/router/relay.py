@@ -9,7 +9,8 @@ reading are not lost.
     emitting the first token has its queue entry reclaimed by another, which emits that token again —
     the client gets it once;
   * a choice whose output stalls (no event for ``stall_s``) while it still has a queue entry is asked about
-    (``prefill_watch.py``): a prefill worker that stopped touching it, or an entry Redis lost, moves it;
+    (``prefill_watch.py``): a prefill worker that stopped touching it, or an entry Redis lost, moves it; so does
+    a decode pod that, alive, no longer holds a choice silent for the watch's ``stall_s``;
   * a choice whose output stalls (no event for ``stall_s``) or whose worker reports a retryable 503 is
     handed to ``migrate`` (the app re-enqueues it, under a new internal request id, resuming from the tokens
     and text already relayed); the relay then reads the new stream, whose ``completion_tokens`` continue
@@ -201,17 +202,25 @@ class OutputRelay:
                     route = self.routes[index]
                     if now - route.last_check >= self.stall_s:
                         route.last_check = now
-                        if self.watch is not None and route.queue_entry:
-                            try:
-                                reason = await self.watch.check(route)
-                            except RedisError as exc:  # Redis away: ask again at the next check
-                                logger.warning("checking the queue entry of %s failed: %s", route.request_id, exc)
-                                reason = None
-                            if reason is not None and await self._try_migrate(index, route, reason, last_ids,
-                                                                              check_pod=False):
-                                continue
+                        reason = await self._lost_reason(route, now)
+                        if reason is not None and await self._try_migrate(index, route, reason, last_ids,
+                                                                          check_pod=False):
+                            continue
                         await self._try_migrate(index, route, f"no output for {now - route.last_event:.1f} s",
                                                 last_ids)
+
+    async def _lost_reason(self, route: ChoiceRoute, now: float) -> str | None:
+        """Why a silent choice is lost whatever its decode pod's health (``PrefillWatch``: its queue entry, or the
+        pod it was handed to no longer holding it), or None."""
+        if self.watch is None:
+            return None
+        try:
+            if route.queue_entry:
+                return await self.watch.check(route)
+            return await self.watch.check_held(route, now - route.last_event)
+        except RedisError as exc:  # Redis away: ask again at the next check
+            logger.warning("checking the queue entry of %s failed: %s", route.request_id, exc)
+            return None
 
 
 async def read_outputs(redis: Redis, request_ids: list[str], idle_timeout_s: float,

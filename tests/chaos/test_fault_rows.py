@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from pdserve.loadtest import chaos, faults
+from pdserve.shared.protocol import keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -68,3 +69,41 @@ def test_prompt_list_longer_than_the_admission_limit_is_refused_not_hung(cluster
     assert tally.failures == [], detail
     assert all(o.status in (400, 429) for o in tally.outcomes), detail
     assert faults.leaks(probe, base, settle_s=30) == {}
+
+
+def test_request_a_live_decode_pod_stops_holding_moves_instead_of_hanging(cluster):
+    """A decode pod that, alive and healthy, stops holding a request it took over (its orphan reaper drops the
+    requests of a router whose key Redis lost for a while; here an abort only that pod hears) must not leave the
+    stream silent until the 600 s request timeout: past the watch's stall bound the router asks the pod, and a
+    pod that says twice it does not hold the request has the request moved. Oracle: the greedy reference text.
+
+    First a write pause in Redis (``CLIENT PAUSE ... WRITE``) silences the stream while the pod holds the request,
+    so the router's watch has already seen the hand-over (the state in which the old router never asked again)."""
+    router = cluster.extra_router({"PDSERVE_PREFILL_STALL_S": "3"})
+    url = router.health_url.removesuffix("/health")
+    text = chaos.prompts(1, seed=12)[0]
+    tokens = 256  # the engine keeps going during the pause: enough left to drop afterwards
+    want = asyncio.run(chaos.reference(url, [text], tokens, ignore_eos=True))[0]
+    r = cluster.redis()
+    before = set(r.scan_iter(match="pdserve:out:*"))
+    progress = [0]
+
+    async def run() -> chaos.Outcome:
+        async with httpx.AsyncClient(timeout=300) as c:
+            task = asyncio.create_task(chaos.completion(c, url, text, tokens, ignore_eos=True,
+                                                        on_token=lambda n: progress.__setitem__(0, n)))
+            while progress[0] < 2 and not task.done():
+                await asyncio.sleep(0.01)
+            (stream,) = set(r.scan_iter(match="pdserve:out:*")) - before
+            r.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
+            await asyncio.sleep(3.6)
+            seen = progress[0]
+            while progress[0] == seen and not task.done():
+                await asyncio.sleep(0.01)
+            r.publish(keys.ABORT_CHANNEL, stream.decode().removeprefix("pdserve:out:"))
+            return await asyncio.wait_for(task, 120)
+
+    got = asyncio.run(run())
+    assert got.kind == "completed", (got.status, got.error, got.exception)
+    assert got.text == want.text and got.completion_tokens == tokens
+    assert "no longer holds it" in cluster.log(router.name), cluster.log(router.name)[-3000:]
