@@ -92,6 +92,55 @@ class RoutingConfig:
 
 
 @dataclass(slots=True)
+class DispatchConfig:
+    """The dispatcher's settings (``from_settings`` reads them off ``RouterSettings``).
+
+    ``model``: the model named in every request; ``cache_s``: how long a registry answer is reused (s);
+    ``local_prefill_threshold`` / ``fallback_max_tokens``: tokens to prefill up to which a decode pod prefills
+    itself (always / when no prefill pod is alive; the fallback is never below the threshold);
+    ``retry_after_s``: the Retry-After of a 503; ``routing``: how the decode pod is chosen.
+    """
+
+    model: str = ""
+    cache_s: float = 0.5
+    local_prefill_threshold: int = 0
+    fallback_max_tokens: int = 256
+    retry_after_s: int = 1
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> DispatchConfig:
+        return cls(model=settings.model, cache_s=settings.registry_cache_s,
+                   local_prefill_threshold=settings.local_prefill_threshold,
+                   fallback_max_tokens=settings.local_prefill_fallback_max_tokens,
+                   retry_after_s=settings.retry_after_s,
+                   routing=RoutingConfig(settings.routing_mode, settings.routing_load_weight,
+                                         settings.routing_temperature))
+
+
+@dataclass(slots=True)
+class ChoiceSpec:
+    """One choice to enqueue: its internal request id, index in the response and sampling parameters; a resumed
+    choice (migration) also carries the tokens and characters of text its client already has."""
+
+    request_id: str
+    choice_index: int
+    sampling_params: dict[str, Any]
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text_len: int = 0
+
+
+@dataclass(slots=True)
+class Dispatched:
+    """What ``Dispatcher.dispatch``/``send`` did: where the choices went, the messages queued and their entry ids."""
+
+    placement: Placement
+    stream: str
+    requests: list[PrefillRequest]
+    entries: list[str]
+
+
+@dataclass(slots=True)
 class Placement:
     pod: Any
     local_prefill: bool
@@ -102,22 +151,28 @@ class Placement:
 
 
 class Dispatcher:
-    """Asks the registry (cached for ``cache_s``) and XADDs ``PrefillRequest``s."""
+    """Places a prompt's choices on a decode pod (asking the registry, cached for ``config.cache_s``), builds
+    their ``PrefillRequest``s and XADDs them (``dispatch``).
 
-    def __init__(self, redis: Redis, directory: PodDirectory, cache_s: float = 0.5,
-                 local_prefill_threshold: int = 0, retry_after_s: int = 1, routing: RoutingConfig | None = None,
-                 metrics: Any = None, rng: random.Random | None = None, fallback_max_tokens: int = 256) -> None:
-        self.fallback_max_tokens = max(fallback_max_tokens, local_prefill_threshold)
-        self.routing = routing or RoutingConfig()
+    ``router_id``: this router incarnation, named in every request (decode pods drop a gone router's requests);
+    ``metrics``: ``observe_routing(mode, pod_id, num_blocks, cached_blocks)`` per placement, or None.
+    """
+
+    def __init__(self, redis: Redis | None, directory: PodDirectory, config: DispatchConfig | None = None,
+                 metrics: Any = None, rng: random.Random | None = None, router_id: str | None = None) -> None:
+        self.config = config = config or DispatchConfig()
+        self.fallback_max_tokens = max(config.fallback_max_tokens, config.local_prefill_threshold)
+        self.routing = config.routing
         self.metrics = metrics
         self.rng = rng or random.Random()
+        self.router_id = router_id
         self.round_robin = RoundRobin()
         self.block_size: int | None = None  # learnt from the registry's pods
         self.redis = redis
         self.directory = directory
-        self.cache_s = cache_s
-        self.local_prefill_threshold = local_prefill_threshold
-        self.retry_after_s = retry_after_s
+        self.cache_s = config.cache_s
+        self.local_prefill_threshold = config.local_prefill_threshold
+        self.retry_after_s = config.retry_after_s
         self.in_flight: Counter[str] = Counter()
         self._cache: dict[str, tuple[float, list[Any]]] = {}
         self._asking: dict[str, asyncio.Future] = {}  # role -> the registry call in flight for it
@@ -292,6 +347,32 @@ class Dispatcher:
             if "BUSYGROUP" not in str(exc):
                 raise
         self._groups.add(stream)
+
+    async def dispatch(self, prompt_token_ids: list[int], choices: Sequence[ChoiceSpec], *,
+                       cache_salt: str | None = None, priority: int = 0,
+                       arrival_time: float | None = None) -> Dispatched:
+        """Place the choices of one prompt (all on one decode pod: they share its prefix blocks), build their
+        ``PrefillRequest``s and enqueue them. 503 (``OpenAIError``) when no decode pod is alive; Redis errors
+        propagate."""
+        placement = await self.place(len(prompt_token_ids), prompt_token_ids, cache_salt)
+        return await self.send(placement, prompt_token_ids, choices, cache_salt=cache_salt, priority=priority,
+                               arrival_time=arrival_time)
+
+    async def send(self, placement: Placement, prompt_token_ids: list[int], choices: Sequence[ChoiceSpec], *,
+                   cache_salt: str | None = None, priority: int = 0,
+                   arrival_time: float | None = None) -> Dispatched:
+        """Build the choices' ``PrefillRequest``s for ``placement`` and enqueue them (``dispatch`` after its own
+        placement; a migration places first, on the prompt and the tokens already sent, to vet the pod)."""
+        pod = placement.pod
+        arrival = time.time() if arrival_time is None else arrival_time
+        requests = [PrefillRequest(
+            request_id=c.request_id, model=self.config.model, prompt_token_ids=prompt_token_ids,
+            sampling_params=c.sampling_params, decode_pod_id=pod.pod_id, decode_host=pod.host,
+            decode_kv_port=int(pod.kv_port), arrival_time=arrival, deadline=None, cache_salt=cache_salt,
+            priority=priority, choice_index=c.choice_index, output_token_ids=c.output_token_ids,
+            output_text_len=c.output_text_len, router_id=self.router_id) for c in choices]
+        stream, entries = await self.enqueue(placement, requests)
+        return Dispatched(placement, stream, requests, entries)
 
     async def enqueue(self, placement: Placement, requests: list[PrefillRequest]) -> tuple[str, list[str]]:
         """XADD the requests to the placement's queue; returns the stream and the entry id of each request."""

@@ -20,8 +20,7 @@ from typing import Any
 import httpx
 from redis.exceptions import RedisError
 
-from pdserve.shared.protocol.messages import PrefillRequest
-
+from .dispatch import ChoiceSpec
 from .errors import OpenAIError
 from .prefill_watch import group_of
 from .relay import ChoiceRoute, abort_requests
@@ -47,13 +46,11 @@ class Migrator:
     503 waits for the pod to leave the registry (a pod that stays is alive: the error is the client's).
     """
 
-    def __init__(self, redis: Any, dispatcher: Any, job: Any, model: str, max_migrations: int,
-                 pod_gone_wait_s: float, on_migrated: Any = None, router_id: str | None = None) -> None:
-        self.router_id = router_id
+    def __init__(self, redis: Any, dispatcher: Any, job: Any, max_migrations: int, pod_gone_wait_s: float,
+                 on_migrated: Any = None) -> None:
         self.redis = redis
         self.dispatcher = dispatcher
         self.job = job
-        self.model = model
         self.max_migrations = max_migrations
         self.pod_gone_wait_s = pod_gone_wait_s
         self.on_migrated = on_migrated
@@ -127,13 +124,10 @@ class Migrator:
         new_id = f"{stem}~m{route.migrations}"
         await abort_requests(self.redis, [route.request_id])
         await self._drop_entry(route)
-        request = PrefillRequest(request_id=new_id, model=self.model, prompt_token_ids=list(route.prompt_token_ids),
-                                 sampling_params=dict(route.sampling_params), decode_pod_id=placement.pod.pod_id,
-                                 decode_host=placement.pod.host, decode_kv_port=int(placement.pod.kv_port),
-                                 arrival_time=time.time(), cache_salt=route.cache_salt, priority=route.priority,
-                                 choice_index=index, output_token_ids=list(route.token_ids),
-                                 output_text_len=route.text_len, router_id=self.router_id)
-        stream, (entry,) = await self.dispatcher.enqueue(placement, [request])
+        choice = ChoiceSpec(new_id, index, dict(route.sampling_params), list(route.token_ids), route.text_len)
+        sent_to = await self.dispatcher.send(placement, list(route.prompt_token_ids), [choice],
+                                             cache_salt=route.cache_salt, priority=route.priority)
+        stream, (entry,) = sent_to.stream, sent_to.entries
         old_pod = self.job.pods[index] if index < len(self.job.pods) else route.pod_id
         self.dispatcher.finished(old_pod, 1)
         if index < len(self.job.pods):

@@ -32,7 +32,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from pdserve.loadtest import chaos
-from pdserve.services.router.dispatch import Dispatcher, RoutingConfig
+from pdserve.services.router.dispatch import DispatchConfig, Dispatcher, RoutingConfig
 from pdserve.services.router.migration import Migrator
 from pdserve.services.router.relay import ChoiceRoute
 from pdserve.shared.protocol import keys
@@ -288,8 +288,9 @@ async def migrate_and_finish(cluster, ids: list[int], salt: str | None,
     redis = aioredis.Redis.from_url(cluster.redis_url)
     registry = RegistryClient(cluster.registry_url, token=registry_token(cluster))
     log = RoutingLog()
-    dispatcher = Dispatcher(redis, registry, local_prefill_threshold=100000 if local else 0,
-                            routing=RoutingConfig(temperature=0), metrics=log)
+    config = DispatchConfig(chaos.MODEL, local_prefill_threshold=100000 if local else 0,
+                            routing=RoutingConfig(temperature=0))
+    dispatcher = Dispatcher(redis, registry, config, metrics=log)
     stem = f"cmpl-{uuid.uuid4().hex}"
     job = types.SimpleNamespace(request_ids=[stem], pods=["decode-gone"])
     sent = 16
@@ -301,7 +302,7 @@ async def migrate_and_finish(cluster, ids: list[int], salt: str | None,
     try:
         cluster.pause(*consumers)
         try:
-            assert await Migrator(redis, dispatcher, job, chaos.MODEL, 3, 1.0)(0, route, "stall")
+            assert await Migrator(redis, dispatcher, job, 3, 1.0)(0, route, "stall")
             queued = [PrefillRequest.decode(f) for _, f in await redis.xrange(stream)]
             queued = [q for q in queued if q.request_id == route.request_id]
         finally:

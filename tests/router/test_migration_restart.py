@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from redis.asyncio import Redis
 from router_harness import ThreadServer
 
-from pdserve.services.router.dispatch import Dispatcher
+from pdserve.services.router.dispatch import DispatchConfig, Dispatcher
 from pdserve.services.router.migration import Migrator
 from pdserve.services.router.relay import ChoiceRoute
 from pdserve.shared.registry_client import RegistryClient
@@ -34,7 +34,7 @@ def check(redis_url: str, registry_url: str, route: ChoiceRoute) -> bool:
         registry = RegistryClient(registry_url)
         try:
             job = types.SimpleNamespace(request_ids=[route.request_id], pods=[route.pod_id])
-            migrator = Migrator(redis, Dispatcher(redis, registry, cache_s=0.0), job, "smollm2-135m-instruct", 3, 1.0)
+            migrator = Migrator(redis, Dispatcher(redis, registry, DispatchConfig(cache_s=0.0)), job, 3, 1.0)
             return await migrator.pod_alive(route)
         finally:
             await registry.aclose()

@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from pdserve.services.registry.app import create_app
 from pdserve.services.registry.settings import RegistrySettings
-from pdserve.services.router.dispatch import Dispatcher, RoutingConfig
+from pdserve.services.router.dispatch import DispatchConfig, Dispatcher, RoutingConfig
 from pdserve.services.router.errors import OpenAIError
 from pdserve.services.router.kv_routing import (Candidate, RoundRobin, choose, costs, pod_load, probabilities,
                                                 uncached_tokens)
@@ -139,7 +139,7 @@ async def test_dispatcher_routes_to_the_pod_holding_the_prefix(registry):
     await registry.heartbeat(pod("p0", role="prefill"))
     await store(registry, "d1", PREFIX + list(range(7, 39)))
     metrics = RouterMetrics("m")
-    d = Dispatcher(None, registry, local_prefill_threshold=40, routing=RoutingConfig("kv", 4.0, 1.0),
+    d = Dispatcher(None, registry, DispatchConfig(local_prefill_threshold=40, routing=RoutingConfig("kv", 4.0, 1.0)),
                    metrics=metrics, rng=random.Random(0))
     ids = PREFIX + list(range(50, 82))  # same 512-token prefix, new 32-token suffix
     for _ in range(5):
@@ -162,17 +162,17 @@ async def test_dispatcher_routes_to_the_pod_holding_the_prefix(registry):
 async def test_dispatcher_prefills_locally_without_a_prefill_pod_and_round_robins(registry):
     await registry.heartbeat(pod("d0"))
     await registry.heartbeat(pod("d1"))
-    d = Dispatcher(None, registry, routing=RoutingConfig("kv"), fallback_max_tokens=64)
+    d = Dispatcher(None, registry, DispatchConfig(fallback_max_tokens=64, routing=RoutingConfig("kv")))
     pl = await d.place(64, PREFIX[:64])
     assert pl.local_prefill and pl.reason == "no prefill pod alive"
     # a long prompt never falls back to a decode pod's batch (issue 12.C): it waits in the prefill queue
     for mode in ("kv", "least_loaded"):
-        d = Dispatcher(None, registry, routing=RoutingConfig(mode), fallback_max_tokens=64)
+        d = Dispatcher(None, registry, DispatchConfig(fallback_max_tokens=64, routing=RoutingConfig(mode)))
         pl = await d.place(len(PREFIX), PREFIX)
         assert not pl.local_prefill, (mode, pl.reason)
         assert pl.reason == f"no prefill pod alive; {len(PREFIX)} tokens to prefill > 64: waiting in the prefill queue"
     await registry.heartbeat(pod("p0", role="prefill"))
-    d = Dispatcher(None, registry, routing=RoutingConfig("round_robin"))
+    d = Dispatcher(None, registry, DispatchConfig(routing=RoutingConfig("round_robin")))
     assert [(await d.place(len(PREFIX), PREFIX)).pod.pod_id for _ in range(4)] == ["d0", "d1", "d0", "d1"]
 
 
