@@ -6,6 +6,9 @@ one choice; TPOT per request = (E2E - TTFT) / (completion_tokens - 1).
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                PlatformCollector, ProcessCollector)
 
@@ -71,3 +74,29 @@ class RouterMetrics:
         self.routing_decisions.labels(self.model_name, mode, pod_id).inc()
         self.routing_prompt_blocks.inc(num_blocks)
         self.routing_cached_blocks.inc(cached_blocks)
+
+
+class ChoiceTiming:
+    """Router-side TTFT / ITL / TPOT / E2E of one choice; ``arrival`` is ``time.monotonic()`` at the request."""
+
+    __slots__ = ("arrival", "first", "last")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def on_event(self, metrics: RouterMetrics, event: Any) -> None:
+        """Observe one ``OutputEvent`` of the choice (its ``token_ids``, ``finished``, ``completion_tokens``)."""
+        now = time.monotonic()
+        if event.token_ids:
+            if self.first is None:
+                self.first = now
+                metrics.ttft.observe(now - self.arrival)
+            elif self.last is not None:
+                metrics.itl.observe(now - self.last)
+            self.last = now
+        if event.finished:
+            metrics.e2e.observe(now - self.arrival)
+            if self.first is not None and event.completion_tokens > 1:
+                metrics.tpot.observe((now - self.first) / (event.completion_tokens - 1))
