@@ -23,5 +23,5 @@ def test_router_and_registry_apps_load_without_torch():
             "pdserve.services.registry.app, pdserve.services.registry.main; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules) + "
             "sorted(m for m in sys.modules if m.startswith('pdserve.shared.engine')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert (out.returncode, out.stdout.strip()) == (0, "[]"), out.stderr[-3000:]
