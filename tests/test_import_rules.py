@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from importlinter.cli import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +19,7 @@ def test_import_contracts_are_kept():
     assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
 
 
+@pytest.mark.slow  # a fresh interpreter: the only way to see what an import loads
 def test_router_and_registry_apps_load_without_torch():
     code = ("import sys; import pdserve.services.router.app, pdserve.services.router.main, "
             "pdserve.services.registry.app, pdserve.services.registry.main; "
