@@ -28,6 +28,7 @@ import time
 import click
 import torch
 
+from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.transport import (
     Commit, CommitReply, FrameLimits, KVLayout, KVTransferClient, KVTransferServer, Reserve, ReserveReply,
 )
@@ -128,7 +129,7 @@ async def _bench_kv(layout: KVLayout, blocks: torch.Tensor, repeats: int) -> lis
             start = time.perf_counter()
             await client.reserve(Reserve(rid, [0] * n_tokens, n_tokens, [], None))
             await client.send_blocks(rid, 0, blocks)
-            reply = await client.commit(Commit(rid, 0, {}, [0] * n_tokens, time.time()))
+            reply = await client.commit(Commit(rid, 0, SamplingParams(), [0] * n_tokens, time.time()))
             assert reply.ok
             times.append(time.perf_counter() - start)
         await client.close()

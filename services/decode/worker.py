@@ -13,17 +13,18 @@ import logging
 import time
 from collections import OrderedDict
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import MessageError, PrefillRequest
-from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
+from pdserve.shared.streams import ensure_group, is_nogroup
 from pdserve.shared.transport.frames import Commit, CommitReply, Reserve, ReserveReply
 from pdserve.shared.transport.server import KVTransferServer
 from pdserve.shared.worker.base import Worker
 from pdserve.shared.worker.events import error_event, publish
 from pdserve.shared.worker.settings import WorkerSettings
+from pdserve.shared.worker.tracked import Tracked
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +103,11 @@ class DecodeReceiver:
 
     async def commit(self, msg: Commit) -> CommitReply:
         w = self.worker
-        try:
-            params = SamplingParams.from_dict(msg.sampling_params)
-        except (SamplingParamsError, TypeError, ValueError) as exc:
-            return CommitReply(ok=False, error=f"bad sampling_params: {exc}")
+        params = msg.sampling_params
         if await w.is_aborted(msg.request_id):
             return CommitReply(ok=False, error="request was aborted")
-        w.requests[msg.request_id] = {"arrival_time": msg.arrival_time, "num_logprobs": params.logprobs,
-                                      "sent_first": True, "committed": time.time(), "router_id": msg.router_id}
+        w.requests[msg.request_id] = Tracked(msg.arrival_time, params.logprobs, committed=time.time(),
+                                             router_id=msg.router_id, sent_first=True)
         try:
             await w.engine_thread.acall(w.engine.commit, msg.request_id, msg.first_token_id, params,
                                         arrival_time=msg.arrival_time, output_token_ids=msg.output_token_ids,
@@ -179,8 +177,8 @@ class DecodeWorker(Worker):
             await asyncio.sleep(1.0)
             owners: dict[str, list[str]] = {}
             for rid, info in list(self.requests.items()):
-                if info.get("router_id"):
-                    owners.setdefault(info["router_id"], []).append(rid)
+                if info.router_id:
+                    owners.setdefault(info.router_id, []).append(rid)
             for router in set(missing_since) - set(owners):
                 del missing_since[router]
             if not owners:
@@ -202,35 +200,24 @@ class DecodeWorker(Worker):
                         await self.abort(rid)
                     self.metrics.requests_orphaned.inc(len(rids))
 
-    async def _ensure_group(self, stream: str) -> None:
-        try:
-            await self.redis.xgroup_create(stream, keys.DECODE_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
     async def _consume_local(self) -> None:
         """Requests this pod prefills itself, from its own stream (which expires if this pod stops beating:
         then the router's next XADD recreates it without a group, and the group is made again here, at id 0
         so that entry is read)."""
         stream = keys.decode_stream(self.settings.pod_id)
-        await self._ensure_group(stream)
+        await ensure_group(self.redis, stream, keys.DECODE_GROUP)
         while True:
             try:
                 entries = await self.redis.xreadgroup(keys.DECODE_GROUP, self.settings.pod_id, {stream: ">"},
                                                       count=32, block=1000)
                 self.set_fault("local queue", None)
-            except ResponseError as exc:
-                if "NOGROUP" in str(exc):
+            except (RedisError, OSError) as exc:
+                if is_nogroup(exc):
                     try:
-                        await self._ensure_group(stream)
+                        await ensure_group(self.redis, stream, keys.DECODE_GROUP)
                         continue
                     except (RedisError, OSError) as again:
                         exc = again
-                self.set_fault("local queue", f"reading {stream} failed: {exc}")
-                await asyncio.sleep(1.0)
-                continue
-            except (RedisError, OSError) as exc:
                 self.set_fault("local queue", f"reading {stream} failed: {exc}")
                 await asyncio.sleep(1.0)
                 continue
@@ -247,23 +234,33 @@ class DecodeWorker(Worker):
     async def _admit(self, fields) -> None:
         try:
             req = PrefillRequest.decode(fields)
+        except BadSamplingParams as exc:
+            if not await self.is_aborted(exc.request_id):
+                await self._fail(exc.request_id, str(exc))
+            return
         except MessageError as exc:
             logger.error("dropping malformed queue entry: %s", exc)
             return
         if await self.is_aborted(req.request_id):
             return
+        params = req.sampling_params
+        self.requests[req.request_id] = Tracked(req.arrival_time, params.logprobs, admitted=time.time(),
+                                                router_id=req.router_id)
         try:
-            params = SamplingParams.from_dict(req.sampling_params)
-            self.requests[req.request_id] = {"arrival_time": req.arrival_time, "num_logprobs": params.logprobs,
-                                             "admitted": time.time(), "router_id": req.router_id}
             await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
                                            arrival_time=req.arrival_time, priority=req.priority,
                                            cache_salt=req.cache_salt, output_token_ids=req.output_token_ids,
                                            output_text_len=req.output_text_len)
-        except (RequestRejected, SamplingParamsError, ValueError, TypeError) as exc:
+        except (RequestRejected, ValueError, TypeError) as exc:
             self.requests.pop(req.request_id, None)
-            self.metrics.requests_failed.inc()
-            await publish(self.writer, self.redis, [error_event(req.request_id, str(exc), 400, "BadRequestError")])
+            await self._fail(req.request_id, str(exc))
+
+    async def _fail(self, request_id: str, message: str) -> None:
+        self.metrics.requests_failed.inc()
+        await publish(self.writer, self.redis, [error_event(request_id, message, 400, "BadRequestError")])
+
+    def pod_fields(self) -> dict:
+        return {"kv_port": self.kv_port, "colocated": self.colocated}
 
     def worker_stats(self) -> dict:
         stats = super().worker_stats()

@@ -18,19 +18,21 @@ import asyncio
 import logging
 import time
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import MessageError, PrefillRequest
-from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
+from pdserve.shared.streams import ensure_group, is_nogroup
 from pdserve.shared.transport.client import KVTransferClient, KVTransferError
 from pdserve.shared.transport.frames import Commit, Reserve
 from pdserve.shared.transport.handshake import HandshakeError
+from pdserve.shared.transport.pool import KVClientPool
 from pdserve.shared.worker.base import Worker
 from pdserve.shared.worker.events import error_event, publish
 from pdserve.shared.worker.redis_retry import retry_redis
 from pdserve.shared.worker.settings import WorkerSettings
+from pdserve.shared.worker.tracked import Tracked
 
 logger = logging.getLogger(__name__)
 
@@ -69,34 +71,30 @@ class PrefillWorker(Worker):
         # same entry can arrive twice (our own reclaim loop) and must be admitted once, and it is ours to touch
         self._admitting: dict[str, object] = {}
         self._delivered: set = set()  # entry ids of a delivered batch not admitted yet (touched as well)
-        self.clients: dict[tuple[str, int], KVTransferClient] = {}
-        self._client_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self.clients: KVClientPool | None = None  # one connection per decode pod (made in start_role)
         self._slots = asyncio.Semaphore(settings.max_inflight)
         self.transfers: set[asyncio.Task] = set()
         # decode pod (host, port) -> FIFO line of finished prefills waiting for its free KV blocks
         self._kv_lines: dict[tuple[str, int], asyncio.Lock] = {}
         self._kv_waiting: dict[str, asyncio.Task] = {}  # request id -> its transfer, while it waits for blocks
-        self._kv_down: dict[tuple[str, int], tuple[float, str]] = {}  # last failed connect: (monotonic, why)
         self.waiting_kv_bytes = 0  # exported KV of transfers not finished yet
 
     async def start_role(self) -> None:
+        t = self.settings.kv_transfer_timeout_s
+        self.clients = KVClientPool(self.kv_layout(), self.settings.kv_transfer_secret, connect_timeout_s=t,
+                                    request_timeout_s=t)
         await self._ensure_group()
         self.tasks += [asyncio.create_task(self._consume()), asyncio.create_task(self._reclaim()),
                        asyncio.create_task(self._touch_loop())]
 
-    async def _ensure_group(self) -> None:
-        """The queue's consumer group, at id 0: entries queued before it existed are delivered too."""
-        try:
-            await self.redis.xgroup_create(keys.PREFILL_STREAM, keys.PREFILL_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    async def _ensure_group(self) -> bool:
+        return await ensure_group(self.redis, keys.PREFILL_STREAM, keys.PREFILL_GROUP)
 
     async def stop(self) -> None:
         for task in self.transfers:
             task.cancel()
-        for client in self.clients.values():
-            await client.close()
+        if self.clients is not None:
+            await self.clients.close()
         await super().stop()
 
     def worker_stats(self) -> dict:
@@ -105,7 +103,11 @@ class PrefillWorker(Worker):
         return stats
 
     def queued_prefill_tokens(self) -> int:
+        """Prompt tokens of the queue entries this worker holds (prefilling or transferring)."""
         return sum(len(r.prompt_token_ids) for _, r in self.inflight.values())
+
+    def pod_fields(self) -> dict:
+        return {"queued_prefill_tokens": self.queued_prefill_tokens()}
 
     # queue
     async def _consume(self) -> None:
@@ -124,7 +126,7 @@ class PrefillWorker(Worker):
                 self.set_fault("prefill queue", None)
             except (RedisError, OSError) as exc:
                 self.set_fault("prefill queue", f"reading {keys.PREFILL_STREAM} failed: {exc}")
-                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):  # Redis lost its data: make it again
+                if is_nogroup(exc):  # Redis lost its data: make it again
                     try:
                         await self._ensure_group()
                         logger.warning("the prefill queue's consumer group was gone (Redis lost its data?); "
@@ -160,11 +162,9 @@ class PrefillWorker(Worker):
                     if fields:
                         logger.info("reclaimed queue entry %s from a dead prefill worker", msg_id)
                         await self._admit(msg_id, fields)
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):  # a lost group: the consumer loop makes it again
-                    logger.warning("XAUTOCLAIM failed: %s", exc)
             except (RedisError, OSError) as exc:
-                logger.warning("XAUTOCLAIM failed: %s", exc)
+                if not is_nogroup(exc):  # a lost group: the consumer loop makes it again
+                    logger.warning("XAUTOCLAIM failed: %s", exc)
             except Exception:  # this loop is what recovers dead workers' entries: it must not die
                 logger.exception("reclaiming queue entries failed")
 
@@ -193,8 +193,8 @@ class PrefillWorker(Worker):
         async def ack() -> None:
             try:
                 await self.redis.xack(keys.PREFILL_STREAM, keys.PREFILL_GROUP, msg_id)
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+            except RedisError as exc:
+                if not is_nogroup(exc):
                     raise
                 return  # the group went with Redis's data, and the entry with it: nothing left to acknowledge
             await self.redis.xdel(keys.PREFILL_STREAM, msg_id)
@@ -210,6 +210,9 @@ class PrefillWorker(Worker):
     async def _admit_entry(self, msg_id, fields) -> None:
         try:
             req = PrefillRequest.decode(fields)
+        except BadSamplingParams as exc:
+            await self._fail(msg_id, exc.request_id, str(exc), 400, "BadRequestError")
+            return
         except MessageError as exc:
             logger.error("dropping malformed queue entry %s: %s", msg_id, exc)
             await self._ack(msg_id)
@@ -231,15 +234,10 @@ class PrefillWorker(Worker):
         if await self.is_aborted(req.request_id):
             await self._ack(msg_id)
             return
-        try:
-            params = SamplingParams.from_dict(req.sampling_params)
-        except (SamplingParamsError, TypeError, ValueError) as exc:
-            await self._fail(msg_id, req.request_id, f"bad sampling_params: {exc}", 400, "BadRequestError")
-            return
+        params = req.sampling_params
         await self._slots.acquire()
         self.inflight[req.request_id] = (msg_id, req)
-        self.requests[req.request_id] = {"arrival_time": req.arrival_time, "num_logprobs": params.logprobs,
-                                         "admitted": time.time()}
+        self.requests[req.request_id] = Tracked(req.arrival_time, params.logprobs, admitted=time.time())
         try:
             await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
                                            arrival_time=req.arrival_time, priority=req.priority,
@@ -297,28 +295,6 @@ class PrefillWorker(Worker):
             task.add_done_callback(self.transfers.discard)
 
     # KV transfer
-    async def _client(self, host: str, port: int) -> KVTransferClient:
-        key = (host, port)
-        lock = self._client_locks.setdefault(key, asyncio.Lock())
-        asked = time.monotonic()
-        async with lock:
-            down = self._kv_down.get(key)
-            if down is not None and down[0] >= asked:  # it failed while we waited for the lock: do not wait again
-                raise KVTransferError(down[1], timed_out=True)
-            client = self.clients.get(key)
-            if client is None or not client.connected:
-                t = self.settings.kv_transfer_timeout_s
-                client = KVTransferClient(host, port, self.kv_layout(), self.settings.kv_transfer_secret,
-                                          connect_timeout_s=t, request_timeout_s=t)
-                try:
-                    await client.connect()
-                except (KVTransferError, OSError) as exc:
-                    self._kv_down[key] = (time.monotonic(), describe(exc))
-                    raise
-                self._kv_down.pop(key, None)
-                self.clients[key] = client
-            return client
-
     async def _reserve(self, client: KVTransferClient, req: PrefillRequest, msg: Reserve):
         """The decode pod's reservation. While it is full, wait in this pod's first-come-first-served line for
         it (only the line's head asks again, backing off to 1 s) for up to ``kv_wait_timeout_s``; then 503."""
@@ -381,7 +357,7 @@ class PrefillWorker(Worker):
         held = kv.numel() * kv.element_size()
         self.waiting_kv_bytes += held
         try:
-            client = await self._client(req.decode_host, req.decode_kv_port)
+            client = await self.clients.get(req.decode_host, req.decode_kv_port)
             kv_tokens = req.prompt_token_ids + req.output_token_ids  # a resumed request's output has KV too
             reply = await self._reserve(client, req, Reserve(rid, kv_tokens, len(kv_tokens), block_hashes,
                                                              req.cache_salt))

@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.block_hash import compute_block_hashes
 from pdserve.shared.protocol.messages import PrefillRequest
+from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.registry_client import RegistryAuthError
+from pdserve.shared.streams import ensure_group
 
 from .errors import OpenAIError
 from .kv_routing import Candidate, RoundRobin, choose, pod_load, uncached_tokens
@@ -125,7 +127,7 @@ class ChoiceSpec:
 
     request_id: str
     choice_index: int
-    sampling_params: dict[str, Any]
+    sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     output_text_len: int = 0
 
@@ -341,11 +343,7 @@ class Dispatcher:
         started are still delivered (a group a worker creates at ``$`` would skip them)."""
         if stream in self._groups:
             return
-        try:
-            await self.redis.xgroup_create(stream, group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await ensure_group(self.redis, stream, group)
         self._groups.add(stream)
 
     async def dispatch(self, prompt_token_ids: list[int], choices: Sequence[ChoiceSpec], *,

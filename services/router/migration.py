@@ -124,7 +124,7 @@ class Migrator:
         new_id = f"{stem}~m{route.migrations}"
         await abort_requests(self.redis, [route.request_id])
         await self._drop_entry(route)
-        choice = ChoiceSpec(new_id, index, dict(route.sampling_params), list(route.token_ids), route.text_len)
+        choice = ChoiceSpec(new_id, index, route.sampling_params, list(route.token_ids), route.text_len)
         sent_to = await self.dispatcher.send(placement, list(route.prompt_token_ids), [choice],
                                              cache_salt=route.cache_salt, priority=route.priority)
         stream, (entry,) = sent_to.stream, sent_to.entries

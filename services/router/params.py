@@ -56,11 +56,15 @@ class RequestPlan:
     sampling: list[dict[str, Any]]
     n: int
 
-    def choice_params(self, prompt_index: int, choice: int) -> dict[str, Any]:
+    def choice_params(self, prompt_index: int, choice: int) -> SamplingParams:
+        """Choice ``choice``'s params; raises ``OpenAIError`` 400 when ``seed + choice`` leaves the seed range."""
         params = dict(self.sampling[prompt_index])
         if params.get("seed") is not None and choice:
             params["seed"] = params["seed"] + choice
-        return params
+        try:
+            return SamplingParams.from_dict(params)
+        except SamplingParamsError as exc:
+            raise OpenAIError(400, str(exc), exc.param) from exc
 
 
 # vLLM's extra request fields that change the output and that pdserve does not implement; the schemas keep

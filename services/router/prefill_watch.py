@@ -26,6 +26,7 @@ import httpx
 from redis.exceptions import ResponseError
 
 from pdserve.shared.protocol import keys
+from pdserve.shared.streams import is_nogroup
 
 from .errors import OpenAIError
 
@@ -53,7 +54,7 @@ class PrefillWatch:
         try:
             pending = await self.redis.xpending_range(stream, group_of(stream), entry, entry, 1)
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not is_nogroup(exc):
                 raise
             pending = []  # the group is gone: Redis lost its data (the worker makes the group again)
         if pending:

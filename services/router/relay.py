@@ -32,6 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import MessageError, OutputEvent
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 from .errors import OpenAIError
 
@@ -50,7 +51,7 @@ class ChoiceRoute:
     request_id: str
     pod_id: str = ""
     prompt_token_ids: list[int] = field(default_factory=list)
-    sampling_params: dict[str, Any] = field(default_factory=dict)
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
     priority: int = 0
     token_ids: list[int] = field(default_factory=list)

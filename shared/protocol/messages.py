@@ -15,11 +15,22 @@ from typing import Any, Mapping
 
 import msgpack
 
+from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingParamsError
+
 DATA_FIELD = "data"
 
 
 class MessageError(ValueError):
     """A stream entry that is not a valid message of the expected type."""
+
+
+class BadSamplingParams(MessageError):
+    """A ``PrefillRequest`` whose ``sampling_params`` do not validate: the request (``request_id``) fails with a
+    400 rather than being dropped like an unreadable entry."""
+
+    def __init__(self, request_id: str, error: SamplingParamsError | TypeError) -> None:
+        super().__init__(f"bad sampling_params: {error}")
+        self.request_id = request_id
 
 
 def _get(fields: Mapping[Any, Any], name: str) -> bytes | None:
@@ -55,8 +66,8 @@ class PrefillRequest:
     """One request (one choice of an OpenAI request) waiting for prefill.
 
     XADDed by the router to ``keys.PREFILL_STREAM`` (remote prefill) or to ``keys.decode_stream(decode_pod_id)``
-    (the decode pod prefills it itself). ``sampling_params`` is ``SamplingParams.to_dict()`` for this one
-    choice (``n`` = 1; a seeded request with n > 1 gets ``seed + choice_index``). ``arrival_time`` and
+    (the decode pod prefills it itself). ``sampling_params`` are this one choice's (``n`` = 1; a seeded request
+    with n > 1 gets ``seed + choice_index``), ``SamplingParams.to_dict()`` on the wire. ``arrival_time`` and
     ``deadline`` are unix seconds (``time.time()``). The decode pod named here is where the KV blocks go and
     where the request is decoded; its output goes to ``keys.output_stream(request_id)``.
     """
@@ -64,7 +75,7 @@ class PrefillRequest:
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling_params: dict[str, Any]
+    sampling_params: SamplingParams
     decode_pod_id: str
     decode_host: str
     decode_kv_port: int
@@ -85,15 +96,27 @@ class PrefillRequest:
         return len(self.prompt_token_ids)
 
     def encode(self) -> dict[str, bytes]:
+        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        payload["sampling_params"] = self.sampling_params.to_dict()
         return {
             "request_id": self.request_id.encode(),
             "prompt_tokens": str(self.prompt_tokens).encode(),
-            DATA_FIELD: msgpack.packb(dataclasses.asdict(self), use_bin_type=True),
+            DATA_FIELD: msgpack.packb(payload, use_bin_type=True),
         }
 
     @classmethod
     def decode(cls, fields: Mapping[Any, Any]) -> PrefillRequest:
-        return cls(**_unpack(cls, fields))
+        """Raises ``BadSamplingParams`` (a ``MessageError``) when only the sampling parameters are invalid,
+        ``MessageError`` when the entry is unreadable."""
+        kwargs = _unpack(cls, fields)
+        params = kwargs["sampling_params"]
+        if not isinstance(params, dict):
+            raise MessageError(f"PrefillRequest: sampling_params is {type(params).__name__}, expected a map")
+        try:
+            kwargs["sampling_params"] = SamplingParams.from_dict(params)
+        except (SamplingParamsError, TypeError) as exc:
+            raise BadSamplingParams(str(kwargs["request_id"]), exc) from exc
+        return cls(**kwargs)
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Union
 import msgpack
 import torch
 
+from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.shared.transport.layout import DTYPES
 
 if typing.TYPE_CHECKING:
@@ -190,7 +191,7 @@ class Commit:
     TYPE: ClassVar[str] = "commit"
     request_id: str
     first_token_id: int
-    sampling_params: dict[str, Any]
+    sampling_params: SamplingParams  # SamplingParams.to_dict() on the wire
     prompt_token_ids: list[int]
     arrival_time: float
     deadline: float | None = None
@@ -269,6 +270,12 @@ def _check(value: Any, tp: Any, where: str) -> Any:
     elif origin is dict:
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return value
+    elif tp is SamplingParams:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            try:
+                return SamplingParams.from_dict(value)
+            except (SamplingParamsError, TypeError) as exc:
+                raise MalformedFrame(f"{where}: {exc}") from None
     raise MalformedFrame(f"{where}: {type(value).__name__} is not {getattr(tp, '__name__', tp)}")
 
 
@@ -295,7 +302,8 @@ def frame_from_fields(type_name: Any, fields: Any) -> Frame:
 
 
 def _fields_of(frame: Frame) -> dict[str, Any]:
-    return {f.name: getattr(frame, f.name) for f in dc_fields(frame) if f.name != "payload"}
+    out = {f.name: getattr(frame, f.name) for f in dc_fields(frame) if f.name != "payload"}
+    return {k: v.to_dict() if isinstance(v, SamplingParams) else v for k, v in out.items()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,12 +32,16 @@ from pdserve.shared.worker.kv_publisher import KVEventPublisher
 from pdserve.shared.worker.metrics import WorkerMetrics
 from pdserve.shared.worker.output_writer import OutputWriter
 from pdserve.shared.worker.settings import WorkerSettings
+from pdserve.shared.worker.tracked import Tracked
 
 logger = logging.getLogger(__name__)
 
 
 class Worker:
-    role = "decode"
+    """A worker process's shared parts. A subclass sets ``role`` (``"prefill"``/``"decode"``), starts its own
+    tasks in ``start_role`` and adds its registration fields in ``pod_fields``."""
+
+    role: str
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -56,7 +60,7 @@ class Worker:
         self.stats: dict = {}
         self.tasks: list[asyncio.Task] = []
         self.ready = False
-        self.requests: dict[str, dict] = {}  # request id -> bookkeeping (arrival, last event time, logprobs)
+        self.requests: dict[str, Tracked] = {}  # the requests this worker publishes output for
         # This process's incarnation: a pod restarted under the same id (a container restart in Kubernetes keeps
         # the pod name) lost its requests, and the router tells it from the old one by this
         self.started_at = time.time()
@@ -186,9 +190,9 @@ class Worker:
             info = self.requests.get(out.request_id)
             if info is None:  # aborted meanwhile
                 continue
-            first = not info.get("sent_first")
+            first = not info.sent_first
             try:
-                event = to_event(out, info.get("num_logprobs"), first)
+                event = to_event(out, info.num_logprobs, first)
             except UnpublishableOutput as exc:
                 logger.error("request %s: output cannot be published (%s); failing the request", out.request_id, exc)
                 self.metrics.requests_failed.inc()
@@ -198,18 +202,19 @@ class Worker:
                 continue
             events.append(event)
             if first:
-                self.metrics.ttft.observe(now - info["arrival_time"])
-                if "admitted" in info:  # taken from a queue here: TTFT = queue wait + prefill
-                    self.metrics.queue_time.observe(info["admitted"] - info["arrival_time"])
-                    self.metrics.prefill_time.observe(now - info["admitted"])
-                info["sent_first"] = True
-            elif "committed" in info:  # first step after a KV hand-over
-                self.metrics.first_decode_step.observe(now - info.pop("committed"))
-            elif "last" in info:
-                self.metrics.itl.observe(now - info["last"])
-            info["last"] = now
+                self.metrics.ttft.observe(now - info.arrival_time)
+                if info.admitted is not None:  # taken from a queue here: TTFT = queue wait + prefill
+                    self.metrics.queue_time.observe(info.admitted - info.arrival_time)
+                    self.metrics.prefill_time.observe(now - info.admitted)
+                info.sent_first = True
+            elif info.committed is not None:  # first step after a KV hand-over
+                self.metrics.first_decode_step.observe(now - info.committed)
+                info.committed = None
+            elif info.last is not None:
+                self.metrics.itl.observe(now - info.last)
+            info.last = now
             if event.finished:
-                self.metrics.e2e.observe(now - info["arrival_time"])
+                self.metrics.e2e.observe(now - info.arrival_time)
                 self.requests.pop(out.request_id, None)
         return events
 
@@ -267,16 +272,18 @@ class Worker:
         s = self.stats
         return PodInfo(
             pod_id=self.settings.pod_id, role=self.role, host=self.settings.advertise_host,
-            http_port=self.http_port, kv_port=self.kv_port, model=self.settings.model,
+            http_port=self.http_port, model=self.settings.model,
             block_size=s.get("block_size", self.settings.block_size), total_blocks=s.get("kv_blocks_total", 0),
             free_blocks=s.get("kv_blocks_total", 0) - s.get("kv_blocks_used", 0), num_running=s.get("num_running", 0),
-            num_waiting=s.get("num_waiting", 0), queued_prefill_tokens=self.queued_prefill_tokens(),
-            colocated=self.colocated, started_at=self.started_at, max_model_len=s.get("max_model_len", 0),
+            num_waiting=s.get("num_waiting", 0), started_at=self.started_at, max_model_len=s.get("max_model_len", 0),
+            **self.pod_fields(),
         )
 
-    http_port = 0
-    kv_port = 0
-    colocated = False
+    def pod_fields(self) -> dict:
+        """The role's own ``PodInfo`` fields (e.g. a decode pod's ``kv_port``)."""
+        return {}
+
+    http_port = 0  # set by ``serve`` once the HTTP server is configured
     _stats_call: asyncio.Future | None = None
 
     def _took_stats(self, fut: asyncio.Future) -> None:
@@ -293,9 +300,6 @@ class Worker:
             return (f"engine made no progress for {stalled:.0f} s (one step or call still running; "
                     f"--engine-stall-s {self.settings.engine_stall_s:g})")
         return None
-
-    def queued_prefill_tokens(self) -> int:
-        return 0
 
     # HTTP
     def create_app(self) -> FastAPI:

@@ -149,7 +149,7 @@ def test_a_queue_entry_delivered_twice_is_decoded_once(ensemble, offline, prompt
                     deadline = time.monotonic() + 30
                     while r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"] and time.monotonic() < deadline:
                         time.sleep(0.01)
-                    again = PrefillRequest(rid, MODEL, prompt, params.to_dict(), decode["pod_id"], decode["host"],
+                    again = PrefillRequest(rid, MODEL, prompt, params, decode["pod_id"], decode["host"],
                                            int(decode["kv_port"]), time.time())
                     r.xadd(keys.PREFILL_STREAM, again.encode())
                     redelivered = True
@@ -184,7 +184,7 @@ def test_decode_pod_reads_its_request_stream_again_after_it_expired(ensemble, of
     r = redis.Redis.from_url(ensemble.redis_url)
     stream = keys.decode_stream(decode["pod_id"])
     assert r.delete(stream) == 1  # as its expiry would
-    request = PrefillRequest("expired-stream-0", MODEL, prompt, params.to_dict(), decode["pod_id"], decode["host"],
+    request = PrefillRequest("expired-stream-0", MODEL, prompt, params, decode["pod_id"], decode["host"],
                              int(decode["kv_port"]), time.time())
     r.xadd(stream, request.encode())
     tokens, last, finished = [], "0-0", False

@@ -7,12 +7,13 @@ import redis
 from pdserve.services.planner.backlog import read_backlog
 from pdserve.shared.protocol.keys import PREFILL_GROUP, PREFILL_STREAM
 from pdserve.shared.protocol.messages import PrefillRequest
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 
 def enqueue(r: redis.Redis, n_tokens: int, request_id: str) -> None:
     msg = PrefillRequest(request_id=request_id, model="m", prompt_token_ids=list(range(n_tokens)),
-                         sampling_params={}, decode_pod_id="d-0", decode_host="127.0.0.1", decode_kv_port=9000,
-                         arrival_time=0.0)
+                         sampling_params=SamplingParams(), decode_pod_id="d-0", decode_host="127.0.0.1",
+                         decode_kv_port=9000, arrival_time=0.0)
     r.xadd(PREFILL_STREAM, msg.encode())
 
 

@@ -12,6 +12,7 @@ from pdserve.services.planner.planner import Planner
 from pdserve.services.planner.settings import PlannerSettings
 from pdserve.shared.protocol.keys import PREFILL_GROUP, PREFILL_STREAM
 from pdserve.shared.protocol.messages import PrefillRequest
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 PREFILL, DECODE = "demo-pdserve-prefill", "demo-pdserve-decode"
 PREFILL_LABELS = {"app.kubernetes.io/component": "prefill", "app.kubernetes.io/instance": "demo"}
@@ -38,8 +39,8 @@ def prefill_metrics(prompt_tokens_total: float) -> str:
 def enqueue(r: redis.Redis, n: int, tokens: int) -> None:
     for i in range(n):
         msg = PrefillRequest(request_id=f"r{i}-{r.xlen(PREFILL_STREAM) if r.exists(PREFILL_STREAM) else 0}",
-                             model="m", prompt_token_ids=[1] * tokens, sampling_params={}, decode_pod_id="d",
-                             decode_host="127.0.0.1", decode_kv_port=9000, arrival_time=0.0)
+                             model="m", prompt_token_ids=[1] * tokens, sampling_params=SamplingParams(),
+                             decode_pod_id="d", decode_host="127.0.0.1", decode_kv_port=9000, arrival_time=0.0)
         r.xadd(PREFILL_STREAM, msg.encode())
 
 

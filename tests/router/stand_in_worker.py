@@ -113,7 +113,7 @@ class StandInWorker:
         if "France" in prompt:
             return self.tokenizer.encode(PARIS, add_special_tokens=False) + [self._eos]
         ids = self.tokenizer.encode(FILLER, add_special_tokens=False)
-        return ids * (req.sampling_params["max_tokens"] // len(ids) + 1)
+        return ids * (req.sampling_params.max_tokens // len(ids) + 1)
 
     def _serve(self, req: PrefillRequest) -> None:
         r = redis.Redis.from_url(self.redis_url)
@@ -131,7 +131,7 @@ class StandInWorker:
                                  error={"message": "the stand-in worker failed", "type": "InternalServerError",
                                         "code": 500}))
                 return
-            params = req.sampling_params
+            params = req.sampling_params.to_dict()
             script = self.script(req)
             generated: list[int] = []
             text_so_far = ""

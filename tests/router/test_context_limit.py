@@ -21,4 +21,4 @@ def test_the_smallest_decode_pods_context_length_is_enforced(router, worker, pod
     ok = httpx.post(router.url + "/v1/completions", timeout=30,
                     json={"model": "smollm2-135m-instruct", "prompt": prompt[:90]})
     assert ok.status_code == 200
-    assert worker.received[-1].request.sampling_params["max_tokens"] == 10  # up to the pods' context length
+    assert worker.received[-1].request.sampling_params.max_tokens == 10  # up to the pods' context length

@@ -354,7 +354,7 @@ def test_no_op_values_of_unsupported_parameters_are_accepted(router, worker, cas
                       headers={"content-type": "application/json"})
     assert resp.status_code == 200, resp.text
     assert len(resp.json()["choices"]) == body.get("n", 1)
-    params = worker.received[0].request.sampling_params
+    params = worker.received[0].request.sampling_params.to_dict()
     assert params["stop_token_ids"] == body.get("stop_token_ids", [])
     assert params["stop"] == body.get("stop", [])
     assert_next_request_works(router)

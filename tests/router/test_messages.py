@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import MessageError, OutputEvent, PrefillRequest, TokenLogprob
+from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, OutputEvent, PrefillRequest, TokenLogprob
 from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.worker.output_writer import OutputWriter
 
@@ -20,13 +20,28 @@ def roundtrip(redis_client, stream, fields):
 def test_prefill_request_round_trips_through_redis(redis_client):
     req = PrefillRequest(
         request_id="chatcmpl-1-0", model="smollm2-135m-instruct", prompt_token_ids=list(range(1, 40)),
-        sampling_params=SamplingParams(temperature=0.0, max_tokens=5, stop=["\n"]).to_dict(),
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=5, stop=["\n"]),
         decode_pod_id="decode-0", decode_host="10.0.0.7", decode_kv_port=9000, arrival_time=1_700_000_000.25,
         deadline=None, cache_salt="salt", priority=-1, choice_index=2)
     fields = roundtrip(redis_client, keys.PREFILL_STREAM, req.encode())
     assert PrefillRequest.decode(fields) == req
     assert fields[b"prompt_tokens"] == b"39"  # the planner sums this without unpacking
-    assert SamplingParams.from_dict(PrefillRequest.decode(fields).sampling_params).max_tokens == 5
+    assert isinstance(PrefillRequest.decode(fields).sampling_params, SamplingParams)
+
+
+def test_a_prefill_request_with_invalid_sampling_params_names_its_request():
+    req = PrefillRequest(request_id="cmpl-9-0", model="m", prompt_token_ids=[1, 2], sampling_params=SamplingParams(),
+                         decode_pod_id="d", decode_host="h", decode_kv_port=1, arrival_time=0.0)
+    fields = req.encode()
+    payload = msgpack.unpackb(fields["data"])
+    payload["sampling_params"]["temperature"] = -1.0
+    with pytest.raises(BadSamplingParams) as err:
+        PrefillRequest.decode({**fields, "data": msgpack.packb(payload)})
+    assert err.value.request_id == "cmpl-9-0" and "temperature" in str(err.value)
+    payload["sampling_params"] = "not a map"
+    with pytest.raises(MessageError) as err:
+        PrefillRequest.decode({**fields, "data": msgpack.packb(payload)})
+    assert not isinstance(err.value, BadSamplingParams)
 
 
 def test_output_event_round_trips_with_logprobs(redis_client):

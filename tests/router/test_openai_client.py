@@ -41,8 +41,8 @@ def test_chat_completion_answers_paris_with_exact_usage(client, processor, worke
     (received,) = worker.received
     assert received.stream == keys.PREFILL_STREAM
     assert received.request.prompt_token_ids == list(prompt_ids)
-    assert received.request.sampling_params["temperature"] == 0
-    assert received.request.sampling_params["max_tokens"] == 8192 - len(prompt_ids)
+    assert received.request.sampling_params.temperature == 0
+    assert received.request.sampling_params.max_tokens == 8192 - len(prompt_ids)
     assert received.request.decode_pod_id == "decode-0"
 
 
@@ -79,7 +79,7 @@ def test_n_choices_are_fanned_out_and_usage_counts_the_prompt_once(client, worke
     assert resp.usage.prompt_tokens == 4 and resp.usage.completion_tokens == 9
     requests = sorted((r.request for r in worker.received), key=lambda r: r.choice_index)
     assert [r.choice_index for r in requests] == [0, 1, 2]
-    assert [r.sampling_params["seed"] for r in requests] == [10, 11, 12]
+    assert [r.sampling_params.seed for r in requests] == [10, 11, 12]
     assert len({r.request_id for r in requests}) == 3
 
 

@@ -57,7 +57,7 @@ def test_router_process_serves_the_openai_client(router_process, worker):
     resp = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "France?"}],
                                           temperature=0)
     assert "Paris" in resp.choices[0].message.content
-    assert worker.received[0].request.sampling_params["max_tokens"] == 2048 - resp.usage.prompt_tokens
+    assert worker.received[0].request.sampling_params.max_tokens == 2048 - resp.usage.prompt_tokens
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=router_process + "/v1", api_key="wrong", max_retries=0).models.list()
 

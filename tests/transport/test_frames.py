@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.transport.frames import (
     Abort, AbortReply, Auth, AuthOk, Blocks, BlocksReply, Commit, CommitReply, Error, FrameError, FrameLimits,
     FrameTooLarge, Hello, MalformedFrame, Reserve, ReserveReply, TruncatedFrame, encode_frame, read_frame,
@@ -45,7 +46,7 @@ SAMPLES = [
     ReserveReply(ok=True, lease_id="L", num_cached_blocks=2, lease_ttl_s=30.0),
     ReserveReply(ok=False, error="out of KV blocks"),
     Blocks.from_tensor("r-1", 4, torch.arange(2 * 2 * 2 * 16 * 3 * 8, dtype=torch.float32).reshape(2, 2, 2, 16, 3, 8)),
-    BlocksReply(ok=True), Commit("r-1", 7, {"temperature": 0.5, "stop": ["\n"]}, [1, 2, 3], 1.5, None, 2.5),
+    BlocksReply(ok=True), Commit("r-1", 7, SamplingParams(temperature=0.5, stop=["\n"]), [1, 2, 3], 1.5, None, 2.5),
     CommitReply(ok=False, error="x"), Abort("r-1"), AbortReply(ok=True),
 ]
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from support.kv_pool import PoolReceiver
 
+from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.transport import (
     Commit, FrameLimits, HandshakeError, KVClientPool, KVLayout, KVTransferClient, KVTransferError, KVTransferServer, Reserve,
 )
@@ -50,7 +51,7 @@ async def eventually(predicate, timeout_s: float = 10.0) -> None:
 
 
 def commit_msg(rid: str, prompt: list[int]) -> Commit:
-    return Commit(request_id=rid, first_token_id=42, sampling_params={"temperature": 0.0, "max_tokens": 8},
+    return Commit(request_id=rid, first_token_id=42, sampling_params=SamplingParams(temperature=0.0, max_tokens=8),
                   prompt_token_ids=prompt, arrival_time=1_700_000_000.5, deadline=None,
                   first_token_time=1_700_000_001.25)
 

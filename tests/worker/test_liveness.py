@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from pdserve.shared.engine.engine_thread import EngineThread
-from pdserve.shared.worker.base import Worker
-from pdserve.shared.worker.settings import WorkerSettings
+from pdserve.services.decode.worker import DecodeSettings, DecodeWorker
 
 
 class SlowEngine:
@@ -43,8 +42,8 @@ class SlowEngine:
 def test_heartbeat_does_not_wait_for_a_long_step_and_a_stuck_engine_stops_it(redis_url):
     async def scenario():
         # heartbeat_interval_s 5: the old heartbeat waited that long for the engine before beating
-        worker = Worker(WorkerSettings(redis_url=redis_url, pod_id="slow-0", heartbeat_interval_s=5.0,
-                                       engine_stall_s=1.5))
+        worker = DecodeWorker(DecodeSettings(redis_url=redis_url, pod_id="slow-0", heartbeat_interval_s=5.0,
+                                             engine_stall_s=1.5))
         worker.loop = asyncio.get_running_loop()
         worker.http_port = 8003
         engine = SlowEngine()
@@ -58,7 +57,7 @@ def test_heartbeat_does_not_wait_for_a_long_step_and_a_stuck_engine_stops_it(red
             started = time.monotonic()
             info = await asyncio.wait_for(worker.pod_info(), 1.0)
             beat_s = time.monotonic() - started
-            assert info.pod_id == "slow-0" and info.role == "decode"
+            assert (info.pod_id, info.role, info.kv_port) == ("slow-0", "decode", 9000)
             assert (await http.get("/health")).status_code == 200
 
             await asyncio.sleep(1.6)  # past engine_stall_s with the step still running: stuck
