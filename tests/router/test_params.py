@@ -69,6 +69,14 @@ def test_engine_rule_violations_name_the_request_field():
 
 def test_choices_of_a_seeded_request_get_distinct_seeds():
     plan = RequestPlan(prompts=[[1]], sampling=[{"seed": 5, "temperature": 1.0}], n=3)
-    assert [plan.choice_params(0, j)["seed"] for j in range(3)] == [5, 6, 7]
+    assert [plan.choice_params(0, j).seed for j in range(3)] == [5, 6, 7]
     unseeded = RequestPlan(prompts=[[1]], sampling=[{"seed": None}], n=2)
-    assert unseeded.choice_params(0, 1)["seed"] is None
+    assert unseeded.choice_params(0, 1).seed is None
+
+
+def test_a_choice_seed_past_the_seed_range_is_a_400_naming_seed():
+    plan = RequestPlan(prompts=[[1]], sampling=[{"seed": 2**64 - 1, "temperature": 1.0}], n=2)
+    assert plan.choice_params(0, 0).seed == 2**64 - 1
+    with pytest.raises(OpenAIError) as info:
+        plan.choice_params(0, 1)
+    assert (info.value.status, info.value.param) == (400, "seed")
