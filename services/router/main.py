@@ -59,7 +59,7 @@ from .settings import RouterSettings
 @click.option("--http-keep-alive-s", type=float, default=None,
               help="Close an idle keep-alive connection after this long [default 5].")
 @click.option("--max-queued-prompt-tokens", type=int, default=None,
-              help="Prompt tokens waiting for prefill; more get 429 (0 = no limit).")
+              help="Prompt tokens of the requests not decoding yet; more get 429 (0 = no limit).")
 @click.option("--shutdown-grace-s", type=float, default=None,
               help="On SIGTERM, seconds requests in flight may still run before they end with an error "
                    "[PDSERVE_SHUTDOWN_GRACE_S, default 30].")

@@ -68,8 +68,9 @@ class RouterSettings(BaseSettings):
     max_migrations: int = Field(3, ge=0)
     # A worker's 503 (decode pod unreachable) migrates once the pod has left the registry within this long (s).
     migration_pod_gone_wait_s: float = Field(10.0, ge=0)
-    # Admission control: requests still waiting for their first token, and their prompt tokens; one more
-    # gets 429 with Retry-After (0 = no limit).
+    # Admission control: choices (prompts x n) not decoding yet (queued, prefilling, or waiting for a decode
+    # slot after their first token: RouterState.queued), and their prompt tokens; one more gets 429 with
+    # Retry-After (0 = no limit).
     max_queued_requests: int = Field(0, ge=0)
     max_queued_prompt_tokens: int = Field(0, ge=0)
     # Connections to Redis this router opens at most: each request in flight holds one while it waits for
