@@ -1,0 +1,105 @@
+"""The prefill worker on its own, against a real redis-server and no engine: the queue paths that end before the
+engine runs (a bad entry, a duplicate entry, Redis losing the consumer group) and what it reports to the registry.
+The engine paths (chunked prefill, abort between chunks) are in test_liveness.py; the hand-over in tests/e2e."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from pdserve.services.prefill.worker import PrefillSettings, PrefillWorker
+from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest
+from pdserve.shared.protocol.sampling_params import SamplingParams
+
+
+def request(rid: str, n_tokens: int = 3) -> PrefillRequest:
+    return PrefillRequest(rid, "m", list(range(1, n_tokens + 1)), SamplingParams(max_tokens=4), "decode-0",
+                          "127.0.0.1", 9000, arrival_time=0.0)
+
+
+def run(redis_url: str, scenario):
+    """``scenario(worker)`` on a fresh prefill worker whose queue group exists; closes its clients after."""
+    async def main():
+        worker = PrefillWorker(PrefillSettings(redis_url=redis_url, pod_id="prefill-0"))
+        try:
+            await worker._ensure_group()
+            return await scenario(worker)
+        finally:
+            await worker.redis.aclose()
+            await worker.registry.aclose()
+    return asyncio.run(main())
+
+
+async def deliver(worker: PrefillWorker) -> list[tuple[bytes, dict]]:
+    reply = await worker.redis.xreadgroup(keys.PREFILL_GROUP, "prefill-0", {keys.PREFILL_STREAM: ">"}, count=10)
+    return [m for _, messages in reply for m in messages]
+
+
+def test_an_entry_with_invalid_sampling_params_fails_its_request_with_a_400_and_leaves_the_queue(redis_url):
+    fields = request("cmpl-1-0").encode()
+    payload = msgpack.unpackb(fields["data"])
+    payload["sampling_params"]["top_p"] = 2.0
+    fields["data"] = msgpack.packb(payload)
+
+    async def scenario(w: PrefillWorker):
+        await w.redis.xadd(keys.PREFILL_STREAM, fields)
+        for msg_id, got in await deliver(w):
+            await w._admit(msg_id, got)
+        out = await w.redis.xrange(keys.output_stream("cmpl-1-0"))
+        pending = await w.redis.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)
+        return out, pending["pending"], await w.redis.xlen(keys.PREFILL_STREAM), dict(w.requests), dict(w.inflight)
+
+    out, pending, queue_len, tracked, inflight = run(redis_url, scenario)
+    ((_, event_fields),) = out
+    event = OutputEvent.decode(event_fields)
+    assert event.request_id == "cmpl-1-0"
+    assert (event.error["code"], event.error["type"]) == (400, "BadRequestError")
+    assert event.error["message"].startswith("bad sampling_params: top_p must be"), event.error
+    assert (pending, queue_len, tracked, inflight) == (0, 0, {}, {})
+
+
+def test_a_second_entry_for_a_request_running_here_is_acknowledged_and_dropped(redis_url):
+    async def scenario(w: PrefillWorker):
+        await w.redis.xadd(keys.PREFILL_STREAM, request("cmpl-2-0").encode())
+        await w.redis.xadd(keys.PREFILL_STREAM, request("cmpl-2-0").encode())  # at-least-once: queued twice
+        (first_id, _), (second_id, second) = await deliver(w)
+        w.inflight["cmpl-2-0"] = (first_id, request("cmpl-2-0"))  # the first one is being prefilled here
+        await w._admit(second_id, second)
+        left = [msg_id for msg_id, _ in await w.redis.xrange(keys.PREFILL_STREAM)]
+        pending = await w.redis.xpending_range(keys.PREFILL_STREAM, keys.PREFILL_GROUP, "-", "+", 10)
+        out = await w.redis.exists(keys.output_stream("cmpl-2-0"))
+        return first_id, left, [p["message_id"] for p in pending], out, w.inflight["cmpl-2-0"][0]
+
+    first_id, left, pending, out, held = run(redis_url, scenario)
+    assert left == [first_id] and pending == [first_id]  # only the duplicate is gone
+    assert out == 0 and held == first_id  # no event: the first entry answers for the request
+
+
+def test_after_redis_lost_its_data_an_ack_is_a_no_op_and_the_group_is_made_again_at_id_0(redis_url):
+    async def scenario(w: PrefillWorker):
+        await w.redis.xadd(keys.PREFILL_STREAM, request("cmpl-3-0").encode())
+        ((held_id, _),) = await deliver(w)
+        again_existing = await w._ensure_group()
+        await w.redis.flushall()  # Redis restarted empty: the group and the entry are gone
+        await w._ack(held_id, retry_s=1.0)  # NOGROUP: nothing to acknowledge, and no error
+        await w.redis.xadd(keys.PREFILL_STREAM, request("cmpl-4-0").encode())  # a router queued meanwhile
+        made = await w._ensure_group()
+        delivered = [PrefillRequest.decode(f).request_id for _, f in await deliver(w)]
+        return again_existing, made, delivered
+
+    again_existing, made, delivered = run(redis_url, scenario)
+    assert (again_existing, made) == (False, True)
+    assert delivered == ["cmpl-4-0"]  # made at id 0: the entry queued before the group is delivered
+
+
+def test_the_registration_reports_the_prompt_tokens_it_holds_and_no_kv_port(redis_url):
+    async def scenario(w: PrefillWorker):
+        w.http_port = 8002
+        w.inflight = {"a": ("1-0", request("a", 3)), "b": ("2-0", request("b", 5))}
+        return await w.pod_info()
+
+    info = run(redis_url, scenario)
+    assert (info.role, info.pod_id, info.queued_prefill_tokens, info.kv_port, info.colocated) == \
+        ("prefill", "prefill-0", 8, 0, False)
