@@ -16,6 +16,7 @@ from collections import OrderedDict
 from redis.exceptions import RedisError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
+from pdserve.shared.logs import logging_request
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
 from pdserve.shared.streams import ensure_group, is_nogroup
@@ -102,6 +103,10 @@ class DecodeReceiver:
         w.metrics.kv_transfer_blocks.inc(blocks.shape[0])
 
     async def commit(self, msg: Commit) -> CommitReply:
+        with logging_request(msg.request_id):
+            return await self._commit(msg)
+
+    async def _commit(self, msg: Commit) -> CommitReply:
         w = self.worker
         params = msg.sampling_params
         if await w.is_aborted(msg.request_id):
@@ -243,6 +248,10 @@ class DecodeWorker(Worker):
             return
         if await self.is_aborted(req.request_id):
             return
+        with logging_request(req.request_id):
+            await self._admit_request(req)
+
+    async def _admit_request(self, req: PrefillRequest) -> None:
         params = req.sampling_params
         self.requests[req.request_id] = Tracked(req.arrival_time, params.logprobs, admitted=time.time(),
                                                 router_id=req.router_id)

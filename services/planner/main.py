@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import click
+
+from pdserve.shared.logs import setup_logging
 
 from .settings import PlannerSettings
 
@@ -38,7 +39,7 @@ def command(**flags: Any) -> None:
     from .planner import Planner
 
     settings = PlannerSettings(**{k: v for k, v in flags.items() if v is not None})
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings.log_level)
     planner = Planner(settings, KubeScaler(settings.namespace), redis.Redis.from_url(settings.redis_url))
     app = create_app(PlannerLoop(planner, settings.interval_seconds))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())

@@ -21,6 +21,7 @@ import time
 from redis.exceptions import RedisError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
+from pdserve.shared.logs import logging_request, request_id
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
 from pdserve.shared.streams import ensure_group, is_nogroup
@@ -226,7 +227,8 @@ class PrefillWorker(Worker):
             return  # else our own reclaim loop delivered the entry we hold
         self._admitting[req.request_id] = msg_id  # no await between the check and this
         try:
-            await self._admit_new(msg_id, req)
+            with logging_request(req.request_id):
+                await self._admit_new(msg_id, req)
         finally:
             self._admitting.pop(req.request_id, None)
 
@@ -352,6 +354,7 @@ class PrefillWorker(Worker):
 
     async def _transfer(self, msg_id, req: PrefillRequest, out, block_hashes, kv) -> None:
         rid = req.request_id
+        request_id.set(rid)  # this task's log lines (it runs in a context of its own)
         first_token = out.outputs[0].token_ids[-1]  # after any resumed output
         started = time.perf_counter()
         held = kv.numel() * kv.element_size()

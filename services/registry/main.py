@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 
 import click
+
+from pdserve.shared.logs import setup_logging
 
 
 @click.command("registry")
@@ -25,6 +26,6 @@ def command(**flags: object) -> None:
     from pdserve.services.registry.settings import RegistrySettings
 
     settings = RegistrySettings(**{k: v for k, v in flags.items() if v is not None})
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings.log_level)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level.lower(), access_log=False)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import click
+
+from pdserve.shared.logs import setup_logging
 
 from .settings import RouterSettings
 
@@ -73,8 +74,7 @@ def command(**flags: Any) -> None:
     from .server import server_config
 
     settings = RouterSettings(**{k: v for k, v in flags.items() if v is not None})
-    level = settings.log_level.upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(settings.log_level)
     app = create_app(settings)
     DrainingServer(server_config(app, settings), app.state.drain).run()  # SIGTERM drains first (drain.py)
 

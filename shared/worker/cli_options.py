@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import click
+
+from pdserve.shared.logs import setup_logging
 
 _OPTIONS = [
     click.option("--host", default=None, help="HTTP bind address [PDSERVE_HOST, default 0.0.0.0]."),
@@ -50,6 +51,5 @@ def run_worker(settings_cls, worker_cls, flags: dict) -> None:
     from pdserve.shared.worker.base import serve
 
     settings = settings_cls(**given(flags))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat otherwise
+    setup_logging(settings.log_level)
     asyncio.run(serve(worker_cls(settings)))

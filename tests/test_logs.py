@@ -1,0 +1,44 @@
+"""Every log line names the request being handled (``shared/logs.py``), across awaits and the tasks it starts,
+and only while it is handled."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+
+from pdserve.shared.logs import FORMAT, RequestIdFilter, logging_request
+
+
+def test_log_lines_carry_the_request_id_inside_a_request_and_its_tasks_only():
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter(FORMAT.replace("%(asctime)s ", "")))
+    log = logging.getLogger("pdserve.test_logs")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+    async def child() -> None:
+        log.info("in a task it started")
+
+    async def handle(rid: str) -> None:
+        with logging_request(rid):
+            await asyncio.sleep(0.01)  # the other request runs meanwhile
+            log.info("admitted")
+            await asyncio.create_task(child())
+        log.info("done")
+
+    async def main() -> None:
+        await asyncio.gather(handle("cmpl-1-0"), handle("cmpl-2-0"))
+
+    try:
+        asyncio.run(main())
+    finally:
+        log.removeHandler(handler)
+    lines = sorted(stream.getvalue().splitlines())
+    assert lines == sorted([
+        "INFO pdserve.test_logs [cmpl-1-0]: admitted", "INFO pdserve.test_logs [cmpl-1-0]: in a task it started",
+        "INFO pdserve.test_logs [cmpl-2-0]: admitted", "INFO pdserve.test_logs [cmpl-2-0]: in a task it started",
+        "INFO pdserve.test_logs [-]: done", "INFO pdserve.test_logs [-]: done"])
