@@ -13,6 +13,7 @@ from pdserve.services.router.dispatch import ChoiceSpec, DispatchConfig, Dispatc
 from pdserve.services.router.settings import RouterSettings
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import PrefillRequest
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 IDS = list(range(100, 140))
 
@@ -28,7 +29,8 @@ class Directory:
 
 
 def expected(request_id: str, choice_index: int, params: dict, **extra) -> PrefillRequest:
-    return PrefillRequest(request_id=request_id, model="m", prompt_token_ids=IDS, sampling_params=params,
+    return PrefillRequest(request_id=request_id, model="m", prompt_token_ids=IDS,
+                          sampling_params=SamplingParams(**params),
                           decode_pod_id="decode-0", decode_host="10.0.0.7", decode_kv_port=9200, arrival_time=1000.0,
                           cache_salt="salt", priority=3, choice_index=choice_index, router_id="r1", **extra)
 
@@ -37,8 +39,8 @@ def expected(request_id: str, choice_index: int, params: dict, **extra) -> Prefi
 async def test_dispatch_enqueues_exactly_the_choices_on_the_prefill_queue(redis_url, redis_client):
     redis = Redis.from_url(redis_url)
     dispatcher = Dispatcher(redis, Directory(), DispatchConfig("m", cache_s=0.0), router_id="r1")
-    choices = [ChoiceSpec("req-0", 0, {"max_tokens": 4, "seed": 1}),
-               ChoiceSpec("req-1", 1, {"max_tokens": 4, "seed": 2})]
+    choices = [ChoiceSpec("req-0", 0, SamplingParams(max_tokens=4, seed=1)),
+               ChoiceSpec("req-1", 1, SamplingParams(max_tokens=4, seed=2))]
     sent = await dispatcher.dispatch(IDS, choices, cache_salt="salt", priority=3, arrival_time=1000.0)
     stored = redis_client.xrange(keys.PREFILL_STREAM)
     assert [PrefillRequest.decode(fields) for _, fields in stored] == [
@@ -58,7 +60,7 @@ async def test_a_local_prefill_goes_to_the_decode_pods_own_stream_with_its_group
     redis = Redis.from_url(redis_url)
     dispatcher = Dispatcher(redis, Directory(prefill=False), DispatchConfig("m", cache_s=0.0, fallback_max_tokens=64),
                             router_id="r1")
-    resumed = ChoiceSpec("req-0~m1", 0, {"max_tokens": 8}, output_token_ids=[7, 8], output_text_len=5)
+    resumed = ChoiceSpec("req-0~m1", 0, SamplingParams(max_tokens=8), output_token_ids=[7, 8], output_text_len=5)
     sent = await dispatcher.dispatch(IDS, [resumed], cache_salt="salt", priority=3, arrival_time=1000.0)
     stream = keys.decode_stream("decode-0")
     assert (sent.stream, sent.placement.reason) == (stream, "no prefill pod alive")

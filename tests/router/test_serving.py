@@ -84,13 +84,13 @@ async def test_submit_enqueues_one_prefill_request_per_choice(redis_url, redis_c
     assert stem.startswith("cmpl-abc-") and len(stem) == len("cmpl-abc-") + 8
     assert job.request_ids == [f"{stem}-{i}" for i in range(4)]
     got = queued(redis_client)
-    assert [(q.request_id, q.choice_index, q.prompt_token_ids, q.sampling_params["seed"]) for q in got] == [
+    assert [(q.request_id, q.choice_index, q.prompt_token_ids, q.sampling_params.seed) for q in got] == [
         (f"{stem}-0", 0, [1, 2, 3], 7), (f"{stem}-1", 1, [1, 2, 3], 8),
         (f"{stem}-2", 2, [4, 5], 7), (f"{stem}-3", 3, [4, 5], 8)]
     for q in got:
         assert (q.model, q.decode_pod_id, q.decode_host, q.decode_kv_port, q.router_id) == \
             ("smollm2-135m-instruct", "decode-0", "10.0.0.5", 9100, ROUTER_ID)
-        assert (q.priority, q.cache_salt, q.sampling_params["max_tokens"], q.output_token_ids) == (2, "s1", 3, [])
+        assert (q.priority, q.cache_salt, q.sampling_params.max_tokens, q.output_token_ids) == (2, "s1", 3, [])
     assert [r.queue_entry for r in job.routes] == [e.decode() for e, _ in redis_client.xrange(keys.PREFILL_STREAM)]
     assert counters(service) == (1, 4, 10, {"decode-0": 4})
     await service.finish(job, aborted=False)
