@@ -8,7 +8,7 @@ Model code calls, per layer and step::
 
 Both backends take the same tensors (shapes in ``attention_ref``) and return the same thing, so the
 engine switches with a flag (vLLM's ``VLLM_ATTENTION_BACKEND`` idea). ``"auto"`` picks ``triton`` on
-CUDA and ``torch`` elsewhere. ``"triton"`` on CPU runs Triton's interpreter, which must be switched on
+CUDA, ``cpu`` (the C kernel of ``cpu_attention``, K/V read in place) on CPU where it builds, else ``torch``. ``"triton"`` on CPU runs Triton's interpreter, which must be switched on
 with ``TRITON_INTERPRET=1`` before the kernel modules are first imported (``triton.jit`` reads it
 then); it is meant for tests, not speed.
 
@@ -26,7 +26,7 @@ import torch
 
 from pdserve.kernels.attention_metadata import AttentionMetadata
 
-BackendName = Literal["auto", "torch", "triton"]
+BackendName = Literal["auto", "cpu", "torch", "triton"]
 
 
 class AttentionBackend(Protocol):
@@ -73,6 +73,31 @@ class TorchAttentionBackend:
         return "TorchAttentionBackend()"
 
 
+class CpuAttentionBackend:
+    """The CPU kernel (``cpu_attention``): K/V read in place, no padding; float32 and bfloat16, blocks of up to
+    32 tokens (anything else goes to the reference). Writes into the cache as the reference does (``index_copy_``)."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from pdserve.kernels import attention_ref, cpu_attention
+
+        self._ref = attention_ref
+        self._kernel = cpu_attention
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._ref.reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, md, scale) -> torch.Tensor:
+        if not self._kernel.supports(query.dtype, k_cache.shape[1]):
+            return self._ref.paged_attention_ref(query, k_cache, v_cache, md, scale)
+        return self._kernel.paged_attention_cpu(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                md.query_start_loc, scale)
+
+    def __repr__(self) -> str:
+        return "CpuAttentionBackend()"
+
+
 class TritonAttentionBackend:
     """Triton kernels: ``triton_reshape_and_cache``, ``triton_paged_attention_decode`` / ``_prefill``."""
 
@@ -111,6 +136,12 @@ class TritonAttentionBackend:
         return "TritonAttentionBackend()"
 
 
+def _cpu_kernel_builds() -> bool:
+    from pdserve.kernels import cpu_attention
+
+    return cpu_attention.load() is not None
+
+
 def _triton_interpreting() -> bool:
     from triton import knobs  # parses TRITON_INTERPRET exactly as triton.jit will
 
@@ -120,7 +151,9 @@ def _triton_interpreting() -> bool:
 def get_attention_backend(name: BackendName = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
     """Return the attention backend ``name`` for tensors on ``device``.
 
-    ``"auto"``: ``triton`` on CUDA when triton is installed, else ``torch``.
+    ``"auto"``: ``triton`` on CUDA when triton is installed; on CPU ``cpu`` when its kernel builds here (a C
+    compiler), else ``torch``.
+    ``"cpu"``: the CPU kernel (ValueError when it cannot be built).
     ``"torch"``: the reference, anywhere.
     ``"triton"``: CUDA; on CPU only under ``TRITON_INTERPRET=1`` (set before the kernels are imported).
     Raises ValueError for an unknown name, or for ``"triton"`` where it cannot run (the message says why).
@@ -128,10 +161,16 @@ def get_attention_backend(name: BackendName = "auto", device: torch.device | str
     device = torch.device(device)
     if name == "auto":
         name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+        if device.type == "cpu" and _cpu_kernel_builds():
+            name = "cpu"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu" or not _cpu_kernel_builds():
+            raise ValueError(f"attention backend 'cpu' needs device cpu and a C compiler to build its kernel (device {device.type})")
+        return CpuAttentionBackend()
     if name != "triton":
-        raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")
+        raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'cpu', 'torch' or 'triton'")
     if importlib.util.find_spec("triton") is None:
         raise ValueError("attention backend 'triton' needs the triton package (pip install triton)")
     if device.type == "cuda":

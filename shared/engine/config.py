@@ -37,7 +37,7 @@ class EngineConfig:
     enable_prefix_caching: automatic prefix caching by block hash (on by default, as vLLM v1).
     preemption_mode: ``recompute`` (default) or ``swap`` (to a CPU block pool of ``swap_space_bytes``).
     scheduling_policy: ``fcfs`` or ``priority`` (lower value first, then arrival; vLLM's convention).
-    attention_backend: ``auto`` | ``torch`` | ``triton``.
+    attention_backend: ``auto`` | ``cpu`` | ``torch`` | ``triton`` (``kernels/backend.py``).
     speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; parsed into a ``SpeculativeConfig`` (None: off).
     """
@@ -74,7 +74,7 @@ class EngineConfig:
             ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority"), "'fcfs' or 'priority'"),
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
              "float32, bfloat16, float16 or auto"),
-            ("attention_backend", self.attention_backend in ("auto", "torch", "triton"), "auto, torch or triton"),
+            ("attention_backend", self.attention_backend in ("auto", "cpu", "torch", "triton"), "auto, cpu, torch or triton"),
         ]
         for name, ok, want in checks:
             if not ok:

@@ -25,8 +25,11 @@ pytestmark = pytest.mark.slow
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
-def test_auto_picks_torch_on_cpu():
-    assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)
+def test_auto_picks_the_cpu_kernel_on_cpu_where_it_builds():
+    from pdserve.kernels import cpu_attention
+
+    expected = "torch" if cpu_attention.load() is None else "cpu"
+    assert get_attention_backend("auto", "cpu").name == expected
     assert get_attention_backend("torch", "cpu").name == "torch"
 
 

@@ -1,0 +1,177 @@
+/* Paged attention for CPU: reads K/V blocks in place through the block table (no gather, no padding).
+ *
+ * Built at first use by kernels/cpu_attention.py (gcc -O3 -march=native -fopenmp -shared) and called through
+ * ctypes with raw pointers. OpenMP is torch's own runtime (libgomp.so.1 is already loaded by torch), so
+ * torch.set_num_threads applies here too.
+ *
+ * Layout (vLLM's): q, out [num_tokens, num_heads, head_dim] (q's rows q_stride elements apart, its heads
+ * contiguous: a view into the fused QKV projection needs no copy); k_cache, v_cache
+ * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
+ * seq_lens [num_seqs] int32 (context after this step); query_start_loc [num_seqs + 1] int32.
+ * Query row i of sequence s sits at position seq_len - query_len + i and attends keys 0..position.
+ *
+ * Algorithm: one task per (sequence, kv head, chunk of query rows); per KV block, the block's keys and
+ * values are converted to fp32 once and used by every query head of the group and every row of the chunk,
+ * with the online softmax of FlashAttention (Dao et al., 2022; Milakov & Gimelshein, 2018) in fp32.
+ * dtype: 0 = float32, 1 = bfloat16 (round-to-nearest-even on the way out).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROWS_PER_TASK 32
+#define MAX_BS 32 /* largest block size; K is kept transposed as [head_dim][MAX_BS] */
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN stays NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+static inline void load_row(const void *base, int64_t idx, int dtype, int d, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)base + idx, sizeof(float) * d);
+    } else {
+        const uint16_t *src = (const uint16_t *)base + idx;
+#pragma omp simd
+        for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
+    }
+}
+
+static inline void store_row(void *base, int64_t idx, int dtype, int d, const float *src, float mul) {
+    if (dtype == 0) {
+        float *dst = (float *)base + idx;
+        for (int i = 0; i < d; i++) dst[i] = src[i] * mul;
+    } else {
+        uint16_t *dst = (uint16_t *)base + idx;
+        for (int i = 0; i < d; i++) dst[i] = f32_to_bf16(src[i] * mul);
+    }
+}
+
+/* One task: rows [r0, r1) of sequence s (row indices relative to the sequence's first query row), kv head
+ * kvh, every query head of its group. Scratch: q [n*G*D], acc [n*G*D], m/l [n*G], kb/vb [MAX_BS*D]. */
+static void attend_task(const void *q, int64_t q_stride, const void *kc, const void *vc, void *out,
+                        const int32_t *table, int64_t ctx, int64_t qlen, int64_t row0, int64_t r0, int64_t r1, int kvh, int num_heads,
+                        int num_kv_heads, int d, int bs, float scale, int dtype, float *scratch) {
+    const int g = num_heads / num_kv_heads;
+    const int64_t n = r1 - r0, nq = n * g;
+    float *qf = scratch, *acc = qf + nq * d, *m = acc + nq * d, *l = m + nq, *kb = l + nq, *vb = kb + (int64_t)MAX_BS * d;
+    for (int64_t r = 0; r < n; r++)
+        for (int j = 0; j < g; j++) {
+            float *dst = qf + (r * g + j) * d;
+            load_row(q, (row0 + r0 + r) * q_stride + (int64_t)(kvh * g + j) * d, dtype, d, dst);
+            for (int i = 0; i < d; i++) dst[i] *= scale;
+        }
+    memset(acc, 0, sizeof(float) * nq * d);
+    for (int64_t i = 0; i < nq; i++) { m[i] = -INFINITY; l[i] = 0.0f; }
+    const int64_t last_pos = ctx - qlen + r1 - 1;  /* the chunk's last row sees keys 0..last_pos */
+    const int64_t nblocks = last_pos / bs + 1;
+    const int64_t stride_tok = (int64_t)num_kv_heads * d;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t base = (int64_t)table[b] * bs * stride_tok + (int64_t)kvh * d;
+        const int64_t first = b * bs;
+        const int nk = (int)((last_pos - first + 1) < bs ? (last_pos - first + 1) : bs);
+        for (int t = 0; t < nk; t++) {
+            load_row(kc, base + t * stride_tok, dtype, d, vb);  /* vb as scratch: K row t, transposed below */
+            for (int i = 0; i < d; i++) kb[i * MAX_BS + t] = vb[i];
+        }
+        for (int t = 0; t < nk; t++) load_row(vc, base + t * stride_tok, dtype, d, vb + (int64_t)t * d);
+        for (int64_t r = 0; r < n; r++) {
+            const int64_t pos = ctx - qlen + r0 + r;
+            if (pos < first) continue;
+            const int valid = (int)((pos - first + 1) < nk ? (pos - first + 1) : nk);
+            for (int j = 0; j < g; j++) {
+                const int64_t qi = r * g + j;
+                const float *qv = qf + qi * d;
+                /* scores of the block's keys, vectorised over keys: p[t] = sum_i q[i] * K^T[i][t] */
+                float p[MAX_BS];
+                for (int t = 0; t < nk; t++) p[t] = 0.0f;
+                for (int i = 0; i < d; i++) {
+                    const float qs = qv[i];
+                    const float *krow = kb + i * MAX_BS;
+#pragma omp simd
+                    for (int t = 0; t < nk; t++) p[t] += qs * krow[t];
+                }
+                float mx = m[qi];
+                for (int t = 0; t < valid; t++) mx = p[t] > mx ? p[t] : mx;
+                const float corr = expf(m[qi] - mx);  /* exp(-inf) = 0 on the first block */
+                float sum = 0.0f;
+                for (int t = 0; t < valid; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+                l[qi] = l[qi] * corr + sum;
+                m[qi] = mx;
+                float *a = acc + qi * d;
+#pragma omp simd
+                for (int i = 0; i < d; i++) a[i] *= corr;
+                for (int t = 0; t < valid; t++) {
+                    const float *vv = vb + (int64_t)t * d;
+                    const float w = p[t];
+#pragma omp simd
+                    for (int i = 0; i < d; i++) a[i] += w * vv[i];
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < n; r++)
+        for (int j = 0; j < g; j++) {
+            const int64_t qi = r * g + j;
+            store_row(out, ((row0 + r0 + r) * num_heads + kvh * g + j) * (int64_t)d, dtype, d, acc + qi * d,
+                      1.0f / l[qi]);
+        }
+}
+
+/* Returns 0, or -1 when block_size > MAX_BS or a scratch allocation failed. */
+int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, void *out, const int32_t *block_tables,
+                    const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs, int max_blocks,
+                    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int dtype) {
+    if (block_size > MAX_BS) return -1;
+    /* tasks: (sequence, row chunk) x kv heads, listed up front so OpenMP can balance them */
+    int64_t ntasks = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int64_t qlen = query_start_loc[s + 1] - query_start_loc[s];
+        ntasks += (qlen + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    }
+    int32_t *task_seq = malloc(sizeof(int32_t) * (ntasks + 1)), *task_r0 = malloc(sizeof(int32_t) * (ntasks + 1));
+    if (!task_seq || !task_r0) { free(task_seq); free(task_r0); return -1; }
+    int64_t k = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int64_t qlen = query_start_loc[s + 1] - query_start_loc[s];
+        for (int64_t r = 0; r < qlen; r += ROWS_PER_TASK) { task_seq[k] = s; task_r0[k] = (int32_t)r; k++; }
+    }
+    const int g = num_heads / num_kv_heads;
+    const int64_t scratch_floats = 2 * (int64_t)ROWS_PER_TASK * g * head_dim + 2 * ROWS_PER_TASK * g
+                                   + 2 * (int64_t)MAX_BS * head_dim;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t t = 0; t < ntasks; t++)
+            for (int h = 0; h < num_kv_heads; h++) {
+                if (!scratch) continue;
+                const int s = task_seq[t];
+                const int64_t qlen = query_start_loc[s + 1] - query_start_loc[s];
+                const int64_t r0 = task_r0[t];
+                const int64_t r1 = r0 + ROWS_PER_TASK < qlen ? r0 + ROWS_PER_TASK : qlen;
+                attend_task(q, q_stride, k_cache, v_cache, out, block_tables + (int64_t)s * max_blocks, seq_lens[s], qlen,
+                            query_start_loc[s], r0, r1, h, num_heads, num_kv_heads, head_dim, block_size, scale,
+                            dtype, scratch);
+            }
+        free(scratch);
+    }
+    free(task_seq);
+    free(task_r0);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,44 @@
+"""The CPU paged-attention kernel (``kernels/paged_attention_cpu.c``) equals the reference on mixed steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels import cpu_attention
+from pdserve.kernels.attention_ref import paged_attention_ref, reshape_and_cache_ref
+from tests.kernels.triton_cases import REL_TOL, make_step, rel_err
+
+pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compiler to build the CPU kernel")
+
+STEPS = {
+    "mixed": [(5, 1), (0, 17), (19, 20), (32, 1), (0, 1), (16, 16)],
+    "decodes": [(5, 1), (15, 1), (48, 1), (300, 1)],
+    "long_prefill": [(7, 70)],  # three row chunks of one sequence
+    "verify_k_plus_1": [(40, 5), (3, 4), (77, 1)],  # speculative verification: multi-token queries
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(STEPS))
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 16), (4, 4, 32), (8, 1, 16)])
+def test_kernel_matches_reference(name, dtype, num_heads, num_kv_heads, block_size):
+    step = make_step(STEPS[name], num_heads, num_kv_heads, 64, block_size, dtype)
+    reshape_and_cache_ref(step.key, step.value, step.k_cache, step.v_cache, step.md.slot_mapping)
+    md = step.md
+    ref = paged_attention_ref(step.query, step.k_cache, step.v_cache, step.fresh_md(), 0.125)
+    out = cpu_attention.paged_attention_cpu(step.query, step.k_cache, step.v_cache, md.block_tables, md.seq_lens,
+                                            md.query_start_loc, 0.125)
+    assert out.dtype == dtype and out.shape == step.query.shape
+    assert torch.isfinite(out).all()  # the cache is NaN outside the written slots: nothing else was read
+    assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+def test_a_sequence_without_query_rows_is_skipped():
+    step = make_step([(20, 3), (9, 0), (4, 2)], 4, 2, 64, 16, torch.float32)
+    reshape_and_cache_ref(step.key, step.value, step.k_cache, step.v_cache, step.md.slot_mapping)
+    md = step.md
+    ref = paged_attention_ref(step.query, step.k_cache, step.v_cache, step.fresh_md(), 0.125)
+    out = cpu_attention.paged_attention_cpu(step.query, step.k_cache, step.v_cache, md.block_tables, md.seq_lens,
+                                            md.query_start_loc, 0.125)
+    assert rel_err(out, ref) < REL_TOL[torch.float32]
