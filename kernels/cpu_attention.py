@@ -6,27 +6,18 @@ decode step. This kernel walks each sequence's blocks where they lie, one task p
 chunk of 32 query rows), with an fp32 online softmax; decodes and prefill chunks of any query length
 (a speculative k+1-token verification too) go in one call, without padding.
 
-Build: ``gcc -O3 -march=native -fopenmp -shared`` into ``$PDSERVE_CACHE_DIR/kernels`` (default
-``~/.cache/pdserve/kernels``), keyed by the source, the compiler flags and this CPU's flags, written
-atomically so concurrent processes may race harmlessly; about a second. OpenMP is the libgomp torch
-loaded, so ``torch.set_num_threads`` governs it. When no C compiler is found or the build fails,
+Built by ``cpu_build`` at first use (about a second). When no C compiler is found or the build fails,
 ``load()`` returns ``None`` and the backend choice falls back to the reference (logged once).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pdserve.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -35,51 +26,18 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build() -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
-    target = root / f"paged_attention_cpu-{key}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=root, suffix=".so")
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
-        os.replace(tmp, target)
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"building {SOURCE.name} failed: {e.stderr[-2000:]}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 def load() -> ctypes.CDLL | None:
     """The built kernel library, or ``None`` when it cannot be built here (the reason is logged once)."""
     global _lib, _tried
     if _tried:
         return _lib
     _tried = True
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (RuntimeError, OSError) as e:
-        logger.warning("CPU paged-attention kernel unavailable, using the reference attention: %s", e)
+    lib = cpu_build.load_library(SOURCE, FLAGS)
+    if lib is None:
         return None
     lib.paged_attention.restype = ctypes.c_int
-    lib.paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [
+        ctypes.c_float, ctypes.c_int]
     _lib = lib
     return lib
 

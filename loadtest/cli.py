@@ -77,8 +77,8 @@ def _register() -> None:
     from pdserve.loadtest.overload import command as overload_command
     from pdserve.loadtest.kv_routing_bench import kv_routing_command
     from pdserve.loadtest.kv_transfer_bench import kv_transfer_command
-    from pdserve.loadtest.offline_throughput import main as throughput_command
     from pdserve.loadtest.spec_bench import spec_command
+    from pdserve.loadtest.throughput_bench import throughput_command
     from pdserve.loadtest.sweep import sweep_command
     from pdserve.loadtest.ttft_breakdown import ttft_breakdown_command
 

@@ -5,14 +5,20 @@ transformers' own rotary module, SiLU-gated MLP), restructured the vLLM way: the
 of ``num_tokens`` tokens from many sequences, Q/K/V and gate/up projections are fused into one matmul
 each, every layer writes its new K/V into the paged cache and attends through the block tables.
 Qwen2's Q/K/V bias is supported; Mistral's sliding window is not (full attention is used).
+On CPU (float32/bfloat16) the element-wise work runs in fused C kernels (``kernels/cpu_elementwise.py``:
+residual add + RMSNorm, RoPE in place, SiLU * up) unless ``PDSERVE_FUSED_CPU=0``; they round as the
+PyTorch ops do.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import cpu_elementwise
 from pdserve.kernels.attention_metadata import AttentionMetadata
 
 
@@ -25,6 +31,39 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # HF's order: normalise in fp32, cast back, then scale (matters for bf16 parity)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class Fp32WeightLinear(nn.Module):
+    """A bf16/fp16 ``nn.Linear`` computed with an fp32 copy of its weights: ``linear(x.float(), W32).to(x.dtype)``.
+
+    On CPUs without native bf16 matrix instructions (no AVX512-BF16/AMX) oneDNN's bf16 GEMM converts and
+    accumulates in fp32 anyway, 4-7x slower than an fp32 GEMM on the same shapes (measured on this
+    project's AVX2 machine); the fp32 weights are the bf16 values exactly, so only the order of the fp32
+    sums differs. Costs twice the weight memory.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+def native_low_precision_matmul() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); ``PDSERVE_BF16_MATMUL=native|fp32``
+    overrides."""
+    choice = os.environ.get("PDSERVE_BF16_MATMUL")
+    if choice in ("native", "fp32"):
+        return choice == "native"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +97,19 @@ class LlamaAttention(nn.Module):
         o = self.backend.forward(q, k_cache, v_cache, md, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
+    def forward_fused(self, x, cos_sin, positions, k_cache, v_cache, md: AttentionMetadata) -> torch.Tensor:
+        """``forward`` with RoPE applied in place on the QKV projection's Q and K (one pass, no copies)."""
+        t, hd = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        cpu_elementwise.rope_(qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, hd),
+                              cos_sin, positions)
+        q = qkv[:, :self.q_size].view(t, self.num_heads, hd)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, hd)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, hd)
+        self.backend.reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        o = self.backend.forward(q, k_cache, v_cache, md, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config) -> None:
@@ -83,6 +135,16 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, md)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, residual, delta, cos_sin, positions, k_cache, v_cache, md) -> torch.Tensor:
+        """The same layer with the CPU element-wise kernels: ``residual`` [T, hidden] is updated in place with
+        the previous layer's output ``delta`` (None for the first layer) and this layer's attention; returns
+        this layer's MLP output, the next layer's ``delta`` (vLLM's residual-passing form)."""
+        eps = self.input_layernorm.eps
+        h = cpu_elementwise.add_rms_norm(residual, delta, self.input_layernorm.weight, eps)
+        a = self.self_attn.forward_fused(h, cos_sin, positions, k_cache, v_cache, md)
+        h = cpu_elementwise.add_rms_norm(residual, a, self.post_attention_layernorm.weight, eps)
+        return self.mlp.down_proj(cpu_elementwise.silu_mul(self.mlp.gate_up_proj(h)))
+
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T] int64, positions [T] int64, kv_caches, md) -> hidden [T, hidden_size].
@@ -101,6 +163,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_positions = max_positions
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.fused_cpu: bool | None = None  # the element-wise CPU kernels (kernels/cpu_elementwise.py)
 
     def init_rope(self, dtype: torch.dtype) -> None:
         """Precompute cos/sin for every position with transformers' rotary module (all RoPE types)."""
@@ -109,10 +172,18 @@ class LlamaForCausalLM(nn.Module):
         rotary = LlamaRotaryEmbedding(self.config)
         pos = torch.arange(self.max_positions)[None]
         cos, sin = rotary(torch.empty(0, dtype=dtype), pos)
-        self.cos_sin = torch.stack([cos[0], sin[0]]).to(self.embed_tokens.weight.device)
+        self.cos_sin = torch.stack([cos[0], sin[0]]).to(self.embed_tokens.weight.device).contiguous()
 
     def forward(self, input_ids, positions, kv_caches, md: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.fused_cpu is None:  # decided on the first step: CPU, float32/bfloat16, the kernels built
+            self.fused_cpu = os.environ.get("PDSERVE_FUSED_CPU", "1") != "0" and cpu_elementwise.available(x) \
+                and self.cos_sin.dtype == x.dtype == self.norm.weight.dtype and self.cos_sin.shape[-1] <= 512
+        if self.fused_cpu:
+            delta = None
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                delta = layer.forward_fused(x, delta, self.cos_sin, positions, k_cache, v_cache, md)
+            return cpu_elementwise.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
         cos = self.cos_sin[0, positions].unsqueeze(1)  # [T, 1, head_dim]
         sin = self.cos_sin[1, positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -121,3 +192,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def use_fp32_matmul_weights(self) -> None:
+        """Swap every projection and the LM head for ``Fp32WeightLinear`` (call after loading the weights);
+        logits still round through the model dtype, as they would from a bf16 GEMM."""
+        for layer in self.layers:
+            layer.self_attn.qkv_proj = Fp32WeightLinear(layer.self_attn.qkv_proj)
+            layer.self_attn.o_proj = Fp32WeightLinear(layer.self_attn.o_proj)
+            layer.mlp.gate_up_proj = Fp32WeightLinear(layer.mlp.gate_up_proj)
+            layer.mlp.down_proj = Fp32WeightLinear(layer.mlp.down_proj)
+        self.lm_head = Fp32WeightLinear(self.lm_head)

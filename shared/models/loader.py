@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from pdserve.shared.models.llama import LlamaForCausalLM
+from pdserve.shared.models.llama import LlamaForCausalLM, native_low_precision_matmul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -70,4 +70,6 @@ def load_model(model_dir, config, backend, dtype: torch.dtype, device: str, max_
     if missing or pending:
         raise KeyError(f"checkpoint in {model_dir} lacks weights: {sorted(missing | set(pending))[:8]}")
     model.init_rope(dtype)
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not native_low_precision_matmul():
+        model.use_fp32_matmul_weights()
     return model.eval()
