@@ -3,6 +3,15 @@
 The offline API mirrors vLLM's: ``from pdserve import LLM, SamplingParams``.
 """
 
+import os as _os
+
+# Thread policy for shared CPUs: OpenMP threads that finish a parallel region sleep instead of spinning.
+# With spinning (libgomp's default) a 2-thread decode step on a busy 2-core machine spent ~5x the CPU of a
+# 1-thread one, siblings spinning at every barrier while the other was descheduled; passive measured
+# ~1.2x the 1-thread CPU at ~0.6x its wall time (loadtest/README.md "Offline throughput"). libgomp reads
+# this when it loads, so it must be set before torch is imported; an explicit setting wins.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

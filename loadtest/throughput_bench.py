@@ -184,7 +184,8 @@ def throughput_command(num_requests, seed, dtype, rounds, kv_gib, hf_batch_size,
                + [s for s in SYSTEMS[1:3] if s not in skip] + (["vllm"] if vllm_python else []))
     click.echo(f"throughput: {num_requests} requests (prompts 16-256, outputs 8-128, {sum(outputs)} generated "
                f"tokens), {dtype}, greedy, ignore_eos, {kv_gib:g} GiB KV, {threads} threads; contenders "
-               f"{', '.join(systems)} in turns x {rounds}; load average {os.getloadavg()[0]:.1f}; logs in {log_dir}")
+               f"{', '.join(systems)} in turns x {rounds}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
+               f"load average {os.getloadavg()[0]:.1f}; logs in {log_dir}")
     roof = measure_roofline(getattr(torch, dtype), threads)
     spec = {"model_dir": model_dir, "dtype": dtype, "kv_bytes": int(kv_gib * (1 << 30)), "max_model_len": max_model_len,
             "threads": threads, "hf_batch_size": hf_batch_size, "prompts": prompts, "outputs": outputs}

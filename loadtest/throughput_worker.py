@@ -37,9 +37,8 @@ class PdserveRunner:
     attention_backend = "auto"
 
     def __init__(self, spec: dict) -> None:
+        from pdserve import LLM, SamplingParams  # first: pdserve sets its OpenMP wait policy before torch loads
         import torch
-
-        from pdserve import LLM, SamplingParams
 
         blocks = _kv_blocks(spec["model_dir"], torch.tensor([], dtype=getattr(torch, spec["dtype"])).element_size(),
                             spec["kv_bytes"])
@@ -149,6 +148,8 @@ def main(system: str) -> None:
     out = sys.stdout
     sys.stdout = sys.stderr  # library chatter must not corrupt the protocol
     spec = json.loads(sys.stdin.readline())
+    if system.startswith("pdserve"):
+        import pdserve  # noqa: F401 -- sets its OpenMP wait policy before torch loads
     if spec.get("threads"):
         import torch
 

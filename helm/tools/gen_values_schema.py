@@ -106,7 +106,7 @@ schema = {
             "maxNumBatchedTokens": I1,
             "enablePrefixCaching": B,
             "device": {"enum": ["cpu", "cuda"]},
-            "attentionBackend": {"enum": ["auto", "torch", "triton"]},
+            "attentionBackend": {"enum": ["auto", "cpu", "torch", "triton"]},
             "preemptionMode": {"enum": ["recompute", "swap"]},
             "kvCacheMemory": {"anyOf": [{"type": "integer", "minimum": 1},
                                          {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|B)?$"}]},

@@ -26,7 +26,7 @@ _OPTIONS = [
     click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per step [default 2048]."),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None, help="Prefix caching [on]."),
     click.option("--kv-cache-memory", default=None, help="KV cache size, e.g. 512MiB [PDSERVE_KV_CACHE_MEMORY]."),
-    click.option("--attention-backend", default=None, help="auto|torch|triton."),
+    click.option("--attention-backend", default=None, help="auto|cpu|torch|triton."),
     click.option("--device", default=None, help="cpu|cuda [default cpu]."),
     click.option("--engine-stall-s", type=float, default=None,
                  help="An engine with no finished step for this long counts as stuck: no heartbeat, /health 503 "
