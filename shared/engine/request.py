@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, overload
 
 from pdserve.shared.protocol.block_hash import BlockHash, compute_block_hashes
 
@@ -35,16 +36,53 @@ FINISH_REASONS = {
 }
 
 
+class ConstantList(Sequence[int]):
+    """A read-only view of a list (vLLM's ``ConstantList``): O(1) to hand out, no copy per access.
+
+    It sees later appends to the list it wraps; take ``list(view)`` for a snapshot.
+    """
+
+    __slots__ = ("_x",)
+
+    def __init__(self, x: list[int]) -> None:
+        self._x = x
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i):
+        return self._x[i]
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+    def __iter__(self):
+        return iter(self._x)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ConstantList):
+            other = other._x
+        return self._x == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # a view of a mutable list
+
+    def __repr__(self) -> str:
+        return f"ConstantList({self._x!r})"
+
+
 class Request:
     """One sequence. vLLM v1's rule: ``num_computed_tokens`` catches up with ``num_tokens``.
 
-    ``all_token_ids`` = prompt + output. A step schedules ``num_tokens - num_computed_tokens`` tokens
+    ``all_token_ids`` = prompt + output (output tokens are also kept apart: ``output_token_ids`` is a
+    read-only view of them, as in vLLM v1, so reading it every step costs nothing). A step schedules ``num_tokens - num_computed_tokens`` tokens
     (or a chunk of them); when they are all computed, the step samples the next token. Prefill,
     chunked prefill, prefix hits and recompute after preemption are the same rule.
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "all_token_ids", "sampling_params", "arrival_time", "priority",
+        "request_id", "prompt_token_ids", "all_token_ids", "_output_token_ids", "sampling_params", "arrival_time",
+        "priority",
         "cache_salt", "eos_token_ids", "num_computed_tokens", "status", "block_hashes", "num_cached_tokens",
         "generator", "max_tokens", "stop_reason", "num_preemptions", "parent_id", "index", "prefill_only",
         "first_token_time", "logprobs", "cumulative_logprob", "prompt_logprobs", "num_tokens_to_recompute",
@@ -65,10 +103,12 @@ class Request:
         index: int = 0,
         parent_id: str | None = None,
         prefill_only: bool = False,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.all_token_ids = list(prompt_token_ids)
+        self._output_token_ids = list(output_token_ids)
+        self.all_token_ids = self.prompt_token_ids + self._output_token_ids
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
@@ -105,17 +145,18 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
+        return len(self._output_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+    def output_token_ids(self) -> ConstantList:
+        return ConstantList(self._output_token_ids)
 
     @property
     def is_finished(self) -> bool:
         return self.status.finished
 
     def append_output_token(self, token_id: int) -> None:
+        self._output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
