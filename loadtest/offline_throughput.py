@@ -49,7 +49,7 @@ def run_pdserve(prompts, outputs, dtype, kv_tokens: int) -> dict:
     llm = LLM(MODEL, **args)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
-    llm.llm_engine.stats.update(peak_kv_blocks_used=0, peak_kv_tokens_live=0, peak_num_running=0)
+    llm.llm_engine.stats.reset_peaks()
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=True)  # LLM's own bar: requests done
     elapsed = time.perf_counter() - start

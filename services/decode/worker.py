@@ -92,7 +92,7 @@ class DecodeReceiver:
         """``engine.reserve`` (engine thread), but none while requests already here wait for blocks (preempted, or
         not scheduled yet): they go first, and a reservation taking blocks they need would only preempt more."""
         engine = self.worker.engine
-        if engine.scheduler.num_waiting:
+        if engine.num_waiting:
             return None
         return engine.reserve(request_id, prompt_token_ids, cache_salt)
 

@@ -273,12 +273,7 @@ class PrefillWorker(Worker):
     # after each step
     def on_outputs_engine_thread(self, outputs):
         # export while the blocks are held, then let them go (they stay in the prefix cache)
-        exported = {}
-        for out in outputs:
-            if out.request_id in self.engine.parked:
-                exported[out.request_id] = self.engine.export_kv(out.request_id)
-                self.engine.release_parked(out.request_id)
-        return exported
+        return self.engine.take_exports()
 
     async def handle_outputs(self, outputs, exported) -> None:
         tracked = {o.request_id for o in outputs if o.request_id in self.requests}

@@ -1,7 +1,7 @@
 """The KV cache tensors: one K and one V pool per layer, plus the CPU swap pool.
 
 Storage is a single tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` so
-that block copies (swap, copy-on-write, KV transfer) are one indexing operation for all layers.
+that block copies (swap, KV transfer) are one indexing operation for all layers.
 Layer ``l`` sees ``k_cache = kv[l, 0]`` and ``v_cache = kv[l, 1]``, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (docs/design.md §2).
 """
@@ -20,6 +20,14 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+
+    @classmethod
+    def from_model_config(cls, model_config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """From an HF-style config (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` or
+        ``hidden_size // num_attention_heads``)."""
+        mc = model_config
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        return cls(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -49,12 +57,6 @@ class KVCache:
 
     def _idx(self, ids) -> torch.Tensor:
         return torch.as_tensor(ids, dtype=torch.long, device=self.kv.device)
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: device block src -> device block dst, every layer."""
-        if pairs:
-            src, dst = zip(*pairs)
-            self.kv[:, :, self._idx(dst)] = self.kv[:, :, self._idx(src)]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

@@ -1,15 +1,17 @@
-"""Which blocks each request holds: prefix-cache lookup, slot allocation, copy-on-write, freeing.
+"""Which blocks each request holds: prefix-cache lookup, slot allocation, freeing.
 
-vLLM v1's ``KVCacheManager`` (``get_computed_blocks``, ``allocate_slots``, ``free``) plus vLLM v0's
-copy-on-write for forked sequences (n > 1 shares every prompt block, including the partial last one;
-the first append to a shared block copies it).
+vLLM v1's ``KVCacheManager`` (``get_computed_blocks``, ``allocate_slots``, ``free``). Requests share blocks
+only through the prefix cache (full blocks, reference-counted), so a block written by one request is never
+written by another: no copy-on-write (the ``n`` choices of one request are siblings that hit the first one's
+prompt blocks, as in vLLM v1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.shared.engine.block_pool import BlockPool, KVCacheBlock
+from pdserve.shared.protocol.block_hash import BlockHash
+from pdserve.shared.engine.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
 from pdserve.shared.engine.request import Request
 
 
@@ -54,18 +56,17 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}  # leading blocks of a request registered in the cache
         self.prefix_cache_stats = PrefixCacheStats()
-        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next step
 
     # prefix cache
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request's full blocks, and how many tokens it covers.
 
         A prompt that is cached whole still recomputes its last token (its logits are needed), so
-        the hit is at most ``num_tokens - 1`` tokens, rounded down to whole blocks. A request that asks for
+        the hit is at most ``num_tokens - 1`` tokens, rounded down to whole blocks. A request that computes
         ``prompt_logprobs`` gets no hit (vLLM's rule): a cached block holds KV, not the logits of its positions.
         The caller records the lookup (``record_prefix_cache_stats``) once the request got its blocks.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.prompt_logprobs is not None:
             return [], 0
         hashes = request.update_block_hashes(self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -96,14 +97,7 @@ class KVCacheManager:
         new = max(0, total - len(held) - len(new_computed_blocks))
         # a cached hit that sits in the free queue is taken out of it by touch()
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return new + evictable_hits + self._num_cow_needed(request, num_new_tokens)
-
-    def _num_cow_needed(self, request: Request, num_new_tokens: int) -> int:
-        held = self.req_to_blocks.get(request.request_id)
-        if not held or num_new_tokens == 0 or request.num_computed_tokens % self.block_size == 0:
-            return 0
-        last = held[request.num_computed_tokens // self.block_size]
-        return 1 if last.ref_cnt > 1 else 0
+        return new + evictable_hits
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = (), cache: bool = True
@@ -122,7 +116,6 @@ class KVCacheManager:
             self.block_pool.touch(list(new_computed_blocks))
             blocks.extend(new_computed_blocks)
             self.num_cached_block[request.request_id] = len(blocks)
-        self._copy_on_write(request, blocks, num_new_tokens)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = self.num_blocks_needed(num_computed + num_new_tokens)
         new_blocks = self.block_pool.get_new_blocks(max(0, total - len(blocks)))
@@ -142,23 +135,6 @@ class KVCacheManager:
             self.block_pool.cache_full_blocks(self.req_to_blocks[request.request_id], hashes, start, num_full)
             self.num_cached_block[request.request_id] = num_full
 
-    def _copy_on_write(self, request: Request, blocks: list[KVCacheBlock], num_new_tokens: int) -> None:
-        if not self._num_cow_needed(request, num_new_tokens):
-            return
-        i = request.num_computed_tokens // self.block_size
-        shared = blocks[i]
-        (copy,) = self.block_pool.get_new_blocks(1)
-        self.pending_copies.append((shared.block_id, copy.block_id))
-        self.block_pool.free_blocks([shared])
-        blocks[i] = copy
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Give ``child`` the parent's blocks (shared, reference-counted; copied on first write)."""
-        blocks = self.req_to_blocks[parent.request_id]
-        self.block_pool.touch(blocks)
-        self.req_to_blocks[child.request_id] = list(blocks)
-        self.num_cached_block[child.request_id] = self.num_cached_block.get(parent.request_id, 0)
-
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (tails are evicted before heads)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
@@ -176,12 +152,24 @@ class KVCacheManager:
             del blocks[keep:]
             self.block_pool.free_blocks(reversed(tail))
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
-
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, including evictable cached ones)."""
+        return self.block_pool.get_num_free_blocks()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Prefix-cache ``stored``/``removed`` events since the last call (with ``enable_kv_events``)."""
+        return self.block_pool.take_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every block hash the prefix cache holds now."""
+        return list(self.block_pool.cached_block_hash_to_block)
 
     @property
     def usage(self) -> float:

@@ -96,7 +96,6 @@ class ModelRunner:
         prompt positions' logits of requests that asked for ``prompt_logprobs`` (empty list otherwise)."""
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
-        self.kv_cache.copy_blocks(out.blocks_to_copy)
         ids, pos, md, sample_rows, prompt_rows = self.prepare_inputs(out)
         hidden = self.model(ids, pos, self.kv_caches, md)
         prompt_logits = [PromptLogits(request, target, self.model.compute_logits(hidden[row:row + count]))

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
@@ -32,7 +34,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts scheduled for verification
 
     @property
@@ -44,46 +45,99 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class WaitingQueue:
-    """FCFS deque, or a heap on ``(priority, arrival_time)`` for the priority policy."""
+class WaitingQueue(ABC):
+    """Requests waiting for their first schedule (or to resume after a preemption), in admission order."""
 
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fcfs: deque[Request] = deque()
-        self._heap: list = []
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Request]:
+        """In the order ``pop`` would return them."""
+
+    @abstractmethod
+    def add(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def add_front(self, request: Request) -> None:
+        """A preempted request goes back ahead of the ones it was admitted before."""
+
+    @abstractmethod
+    def peek(self) -> Request: ...
+
+    @abstractmethod
+    def pop(self) -> Request: ...
+
+    @abstractmethod
+    def remove(self, request: Request) -> None: ...
+
+
+class FCFSQueue(WaitingQueue):
+    """First come, first served; a preempted request goes back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+    def add(self, request: Request) -> None:
+        self._q.append(request)
+
+    def add_front(self, request: Request) -> None:
+        self._q.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._q.remove(request)
+
+
+class PriorityQueue(WaitingQueue):
+    """A heap on ``(priority, arrival_time)``, lower first (vLLM's convention), ties in admission order; a
+    preempted request goes back by its own rank."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
         self._counter = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._fcfs) if self.policy == "fcfs" else len(self._heap)
+        return len(self._heap)
 
-    def __iter__(self):
-        return iter(self._fcfs) if self.policy == "fcfs" else (e[-1] for e in sorted(self._heap))
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[-1] for entry in sorted(self._heap))
 
     def add(self, request: Request) -> None:
-        if self.policy == "fcfs":
-            self._fcfs.append(request)
-        else:
-            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
 
     def add_front(self, request: Request) -> None:
-        """A preempted request goes back first (FCFS) or by its own rank (priority)."""
-        if self.policy == "fcfs":
-            self._fcfs.appendleft(request)
-        else:
-            self.add(request)
+        self.add(request)
 
     def peek(self) -> Request:
-        return self._fcfs[0] if self.policy == "fcfs" else self._heap[0][-1]
+        return self._heap[0][-1]
 
     def pop(self) -> Request:
-        return self._fcfs.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[-1]
+        return heapq.heappop(self._heap)[-1]
 
     def remove(self, request: Request) -> None:
-        if self.policy == "fcfs":
-            self._fcfs.remove(request)
-        else:
-            self._heap = [e for e in self._heap if e[-1] is not request]
-            heapq.heapify(self._heap)
+        self._heap = [entry for entry in self._heap if entry[-1] is not request]
+        heapq.heapify(self._heap)
+
+
+def create_waiting_queue(policy: str) -> WaitingQueue:
+    """``fcfs`` or ``priority``; raises ``ValueError`` otherwise."""
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue()
+    raise ValueError(f"unknown scheduling policy {policy!r}")
 
 
 class Scheduler:
@@ -104,7 +158,7 @@ class Scheduler:
         self.policy = policy
         self.preemption_mode = preemption_mode
         self.swap = swap_manager
-        self.waiting = WaitingQueue(policy)
+        self.waiting = create_waiting_queue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -121,10 +175,15 @@ class Scheduler:
         self.waiting.add(request)
 
     def add_running(self, request: Request) -> None:
-        """A request whose blocks are already allocated (KV received, or a fork) joins the batch."""
+        """A request whose blocks are already allocated (its KV received over the wire) joins the batch."""
         self.requests[request.request_id] = request
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+
+    def detach(self, request: Request) -> None:
+        """A running request leaves the batch but keeps its blocks (a prefill-only request, parked for export)."""
+        self.running.remove(request)
+        self.requests.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -188,7 +247,6 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             budget -= num_new
 
-        out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
     def _num_new_running(self, request: Request, budget: int) -> int:

@@ -19,13 +19,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.shared.engine.engine_thread import EngineThread
 from pdserve.shared.engine.llm_engine import LLMEngine
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import OutputEvent
 from pdserve.shared.protocol.registry import PodInfo
 from pdserve.shared.registry_client import RegistryAuthError, RegistryClient
 from pdserve.shared.transport.layout import KVLayout
+from pdserve.shared.worker.engine_thread import EngineThread
 from pdserve.shared.worker.events import UnpublishableOutput, error_event, publish, to_event
 from pdserve.shared.worker.heartbeat import Heartbeater
 from pdserve.shared.worker.kv_publisher import KVEventPublisher
@@ -125,7 +125,7 @@ class Worker:
     def _drain_kv_events(self) -> None:
         # engine thread; also called from the heartbeat, since reserve/commit/abort change the cache between steps
         if self.kv_events is not None:
-            self.kv_events.record(self.engine.kv_manager.block_pool.take_events())
+            self.kv_events.record(self.engine.kv_events())
 
     def _stats_and_kv_events(self) -> dict:
         self._drain_kv_events()
@@ -134,7 +134,7 @@ class Worker:
     async def _kv_snapshot(self) -> tuple[int, list[bytes]]:
         def state() -> tuple[int, list[bytes]]:
             self._drain_kv_events()
-            return self.kv_events.last_seq, list(self.engine.kv_manager.block_pool.cached_block_hash_to_block)
+            return self.kv_events.last_seq, self.engine.cached_block_hashes()
         return await self.engine_thread.acall(state)
 
     def on_outputs_engine_thread(self, outputs) -> object:
@@ -246,7 +246,7 @@ class Worker:
                     pass
 
     async def abort(self, request_id: str) -> None:
-        if self.requests.pop(request_id, None) is not None or request_id in self.engine.reserved:
+        if self.requests.pop(request_id, None) is not None or self.engine.owns(request_id):
             found = await self.engine_thread.acall(self.engine.abort_request, request_id)
             if found:
                 logger.info("request %s aborted", request_id)
@@ -350,7 +350,7 @@ class Worker:
 
     def holds(self, request_id: str) -> bool:
         """The request is this pod's: tracked for output, or blocks reserved for its hand-over."""
-        return request_id in self.requests or (self.engine is not None and request_id in self.engine.reserved)
+        return request_id in self.requests or (self.engine is not None and self.engine.owns(request_id))
 
     def set_fault(self, loop: str, error: object | None) -> None:
         """Record (or with None clear) what ``loop`` cannot do; logged once when it starts and when it ends."""

@@ -1,5 +1,5 @@
 """Property tests (hypothesis) on the block pool, KV cache manager and scheduler, without a model:
-after any mix of adds, steps (with sampled tokens), forks and aborts, reference counts equal the
+after any mix of adds, steps (with sampled tokens) and aborts, reference counts equal the
 number of holders, no count is negative, no block is both free and held, and once every request is
 gone every block is back in the free queue."""
 
@@ -109,25 +109,3 @@ def test_every_request_finishes_when_run_to_completion():
                 sched.finish_request(request, RequestStatus.FINISHED_LENGTH)
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
     assert sched.num_preemptions > 0
-
-
-def test_fork_shares_blocks_and_copies_on_write():
-    kv = KVCacheManager(8, BLOCK)
-    parent = Request("p", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=4), 4, frozenset())
-    kv.allocate_slots(parent, 6)
-    parent.num_computed_tokens = 6
-    child = Request("c", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=4), 4, frozenset())
-    child.num_computed_tokens = 6
-    kv.fork(parent, child)
-    assert [b.ref_cnt for b in kv.req_to_blocks["p"]] == [2, 2]
-    parent.append_output_token(9)
-    child.append_output_token(8)
-    kv.allocate_slots(parent, 1)  # writes position 6 into the shared partial block -> copy
-    (src, dst), = kv.take_pending_copies()
-    assert src == kv.req_to_blocks["c"][1].block_id and dst == kv.req_to_blocks["p"][1].block_id
-    assert kv.req_to_blocks["p"][0] is kv.req_to_blocks["c"][0]  # the full block stays shared
-    kv.allocate_slots(child, 1)  # now the only holder: writes in place
-    assert kv.take_pending_copies() == []
-    kv.free(parent)
-    kv.free(child)
-    assert kv.block_pool.get_num_free_blocks() == 7

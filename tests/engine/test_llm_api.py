@@ -1,6 +1,6 @@
 """The offline API's contract: clear errors for prompts that cannot be served, n > 1 over shared
 blocks, seeds independent of batch neighbours, stop strings, logprobs, stats — and the prefill/decode
-hand-over hooks (export_kv -> reserve -> write_kv -> commit) giving the same tokens as one engine."""
+hand-over hooks (take_exports -> reserve -> write_kv -> commit) giving the same tokens as one engine."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_max_model_len_beyond_kv_pool_is_refused_at_startup():
 
 
 def test_n_greedy_completions_share_the_prompt_and_agree(llm_fp32, prompt_of):
-    prompt = prompt_of(37)  # partial last block: shared by the forks, copied on first write
+    prompt = prompt_of(37)  # two full blocks the choices share through the prefix cache, a partial one each
     single = llm_fp32.generate([prompt], GREEDY)[0].outputs[0]
     used_before = llm_fp32.get_stats()["prompt_tokens_computed"]
     multi = llm_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=12, n=3))[0]
@@ -103,12 +103,13 @@ def test_kv_handover_between_engines_gives_the_same_tokens(llm_fp32, prompt_of, 
     prefill = LLM("smollm2-135m-instruct", dtype="float32", enable_prefix_caching=False).llm_engine
     decode = LLM("smollm2-135m-instruct", dtype="float32").llm_engine
     prefill.add_request("r", prompt, GREEDY, prefill_only=True)
-    outs = []
-    while "r" not in prefill.parked:
+    outs, exports = [], {}
+    while "r" not in exports:
         outs += prefill.step()
+        exports.update(prefill.take_exports())
     first = outs[-1].outputs[0].token_ids[0]
-    hashes, kv = prefill.export_kv("r")
-    prefill.release_parked("r")
+    hashes, kv = exports["r"]
+    assert not prefill.owns("r")
     assert prefill.get_stats()["kv_blocks_used"] == 0
     assert kv.shape[0] == math.ceil(prompt_len / 16)
     num_blocks, cached = decode.reserve("r", prompt)
@@ -128,4 +129,4 @@ def test_empty_cache_salt_is_rejected_not_taken_for_no_salt(llm_fp32, prompt_of)
     with pytest.raises(RequestRejected) as err:
         engine.add_request("salt", prompt_of(8), GREEDY, cache_salt="")
     assert (err.value.param, str(err.value)) == ("cache_salt", "cache_salt must be a non-empty string when given.")
-    assert "salt" not in engine.groups
+    assert not engine.owns("salt")

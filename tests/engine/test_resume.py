@@ -95,7 +95,7 @@ def test_resumed_output_that_leaves_nothing_to_generate_is_rejected(engine, prom
     with pytest.raises(RequestRejected) as err:
         engine.add_request("oov", prompt, SamplingParams(max_tokens=3), output_token_ids=[engine.vocab_size])
     assert err.value.param == "output_token_ids"
-    assert "full" not in engine.groups and "oov" not in engine.groups
+    assert not engine.owns("full") and not engine.owns("oov")
 
 
 @pytest.fixture(scope="module")
@@ -117,13 +117,13 @@ def test_handover_of_a_resumed_seeded_request_equals_one_engine(engine, pd_engin
     resumed, text_len = want.token_ids[:k], sent_after(deltas, k)
     rid = f"pd-{k}"
     prefill.add_request(rid, prompt, params, prefill_only=True, output_token_ids=resumed, output_text_len=text_len)
-    outs = []
-    while rid not in prefill.parked:
+    outs, exports = [], {}
+    while rid not in exports:
         outs += prefill.step()
+        exports.update(prefill.take_exports())
     first = outs[-1].outputs[0]
     assert first.token_ids == want.token_ids[: k + 1]
-    _, kv = prefill.export_kv(rid)
-    prefill.release_parked(rid)
+    _, kv = exports[rid]
     assert kv.shape[0] == -(-(len(prompt) + k) // 16)
     assert decode.reserve(rid, prompt + resumed) is not None
     decode.write_kv(rid, 0, kv)
@@ -142,4 +142,4 @@ def test_commit_refuses_output_that_is_not_the_reserved_tail(pd_engines, prompt_
     with pytest.raises(RequestRejected) as err:
         decode.commit("tail", 5, SamplingParams(max_tokens=8), output_token_ids=[1, 2])
     assert err.value.param == "output_token_ids"
-    assert "tail" not in decode.reserved and decode.get_stats()["kv_blocks_used"] == used
+    assert not decode.owns("tail") and decode.get_stats()["kv_blocks_used"] == used

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.shared.engine.engine_thread import EngineThread
+from pdserve.shared.worker.engine_thread import EngineThread
 from pdserve.services.decode.worker import DecodeSettings, DecodeWorker
 
 
@@ -23,8 +23,10 @@ class SlowEngine:
 
     def __init__(self) -> None:
         self.release = threading.Event()
-        self.reserved: dict = {}
         self.steps = 0
+
+    def owns(self, request_id: str) -> bool:
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return not self.release.is_set()
@@ -104,7 +106,7 @@ def test_a_prefill_pod_prefills_a_long_prompt_in_bounded_steps_and_an_abort_betw
     ids = (prompt_of(140) * 10)[:1300]
     engine.add_request("long", ids, SamplingParams(max_tokens=1), prefill_only=True)
     engine.step()  # one chunk: no first token yet
-    (request,) = engine.groups["long"].members
+    (request,) = engine.output.states["long"].members
     assert request.num_computed_tokens == budget and not request.is_finished
     assert engine.abort_request("long")  # what the worker's abort runs between two steps
     assert not engine.has_unfinished_requests()
