@@ -3,10 +3,10 @@ that either takes every block it needs or none, and release order (tails evicted
 
 from __future__ import annotations
 
-from pdserve.shared.engine.block_hash import compute_block_hashes
+from pdserve.shared.protocol.block_hash import compute_block_hashes
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
 from pdserve.shared.engine.request import Request
-from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 BLOCK = 4
 

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
 from pdserve.shared.engine.request import ConstantList, Request, RequestStatus
-from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import FCFSQueue, PriorityQueue, Scheduler, create_waiting_queue
 
 BLOCK = 4
