@@ -51,10 +51,11 @@ class PdserveRunner:
 
     def run(self) -> dict:
         engine = self.llm.llm_engine
-        engine.stats.update(peak_kv_blocks_used=0, peak_kv_tokens_live=0, peak_num_running=0, num_steps=0)
+        engine.stats.reset_peaks()
+        engine.stats.num_steps = 0
         results = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         stats = self.llm.get_stats()
-        stats["num_steps"] = engine.stats["num_steps"]
+        stats["num_steps"] = engine.stats.num_steps
         return {"output_tokens": sum(len(r.outputs[0].token_ids) for r in results), "stats": stats}
 
 
