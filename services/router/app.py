@@ -2,9 +2,9 @@
 builds the services and puts them on ``app.state``, and installs the guards, error handlers and routes.
 
 What a request goes through: ``routes.py`` (HTTP) -> ``serving.CompletionService`` (plan, admit, dispatch,
-relay, finish) -> ``delivery.py`` (JSON body or SSE stream); beside them ``params`` (validation), ``prompts``
-(tokenization), ``dispatch`` (pod choice, enqueue), ``relay`` (output streams, abort), ``responses`` (OpenAI
-bodies and chunks).
+relay, finish; limits in ``admission.py``) -> ``delivery.py`` (JSON body or SSE stream); beside them
+``params`` (validation), ``prompts`` (tokenization), ``dispatch`` (pod choice, enqueue), ``relay`` (output
+streams, abort), ``responses`` (OpenAI bodies and chunks).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pdserve.shared.models.resolve import resolve_model
 from pdserve.shared.protocol import keys
 
 from . import errors
+from .admission import Admission
 from .dispatch import DispatchConfig, Dispatcher, PodDirectory
 from .drain import Drain, DrainGate
 from .errors import OpenAIError
@@ -78,8 +79,10 @@ def start_services(app: FastAPI, settings: RouterSettings, processor: PromptProc
     """Build the dispatcher and the services over ``redis`` and ``directory``; put them on ``app.state``."""
     metrics, router_id = app.state.metrics, uuid.uuid4().hex
     dispatcher = Dispatcher(redis, directory, DispatchConfig.from_settings(settings), metrics, router_id=router_id)
+    admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
+                          settings.max_queued_prompt_tokens, settings.retry_after_s)
     state = RouterState(settings=settings, processor=processor, redis=redis, dispatcher=dispatcher, metrics=metrics,
-                        defaults=generation_defaults(processor.model_dir), router_id=router_id)
+                        defaults=generation_defaults(processor.model_dir), admission=admission, router_id=router_id)
     model = ServedModel(settings.served_name, settings.model, processor.max_model_len, state.created)
     app.state.router, app.state.model = state, model
     app.state.service = CompletionService(state, model, app.state.drain)

@@ -1,8 +1,8 @@
 """The request lifecycle of ``/v1/chat/completions`` and ``/v1/completions`` (vLLM's ``OpenAIServingChat`` /
 ``OpenAIServingCompletion``): ``CompletionService`` plans a request (validation, tokenization), admits it
-(concurrency and queue limits), dispatches its choices (``Dispatcher.dispatch``), relays their output events
-(``OutputRelay``, with migration and the prefill watch) and finishes it (counters, abort). How the events
-become a JSON body or an SSE stream is ``delivery.py``'s.
+(``admission.py``: concurrency and queue limits), dispatches its choices (``Dispatcher.dispatch``), relays
+their output events (``OutputRelay``, with migration and the prefill watch) and finishes it (counters, abort).
+How the events become a JSON body or an SSE stream is ``delivery.py``'s.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from starlette.responses import Response
 from pdserve.shared.protocol.messages import OutputEvent
 
 from . import delivery, errors
+from .admission import Admission
 from .dispatch import ChoiceSpec, Dispatcher
 from .drain import Drain
 from .errors import OpenAIError
@@ -46,7 +47,7 @@ GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 @dataclass(slots=True)
 class RouterState:
-    """The router's collaborators and its admission counters (one per app)."""
+    """The router's collaborators (one per app)."""
 
     settings: RouterSettings
     processor: PromptProcessor
@@ -54,13 +55,15 @@ class RouterState:
     dispatcher: Dispatcher
     metrics: RouterMetrics
     defaults: dict[str, Any]
+    admission: Admission
     created: int = field(default_factory=lambda: int(time.time()))
-    active: int = 0  # requests between submit and finish
-    queued: int = 0  # admitted choices (prompts x n) not decoding yet (in a queue, in prefill, or waiting for a
-    # decode slot): what --max-queued-requests bounds, so a list of prompts counts each of them
-    queued_tokens: int = 0  # their prompt tokens
     # This incarnation, named in every request it enqueues: decode pods drop the requests of a router gone
     router_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def active(self) -> int:
+        """Requests between submit and finish (what a shutdown waits for)."""
+        return self.admission.active
 
 
 @dataclass(slots=True)
@@ -74,16 +77,16 @@ class Job:
     builder: ResponseBuilder
     closed: bool = False
     routes: list[ChoiceRoute] = field(default_factory=list)  # per choice: its current request and tokens sent
-    # choice index -> its prompt tokens, for the choices counted in RouterState.queued until they are decoding
+    # choice index -> its prompt tokens, for the choices counted in Admission.queued until they are decoding
     waiting: dict[int, int] = field(default_factory=dict)
 
 
 def started_decoding(event: OutputEvent) -> bool:
-    """Whether this choice has left every queue. Not its first token: a prefill pod samples that before the
-    KV hand-over, and the hand-over waits (reservation retries, the exported KV held in the prefill pod's
-    memory) until the decode pod has free blocks. Counting requests as queued only until their first token
-    let them pile up there without limit at 10x load (admitted latency grew for as long as the overload
-    lasted); the second token comes from the decode pod's running batch."""
+    """Whether this choice has left every queue (``Admission`` stops counting it). Not its first token: a
+    prefill pod samples that before the KV hand-over, and the hand-over waits (reservation retries, the exported
+    KV held in the prefill pod's memory) until the decode pod has free blocks. Counting requests as queued only
+    until their first token let them pile up there without limit at 10x load (admitted latency grew for as long
+    as the overload lasted); the second token comes from the decode pod's running batch."""
     return event.finished or event.error is not None or event.completion_tokens >= 2
 
 
@@ -133,35 +136,6 @@ class CompletionService:
             sampling.append(build_sampling_params(req, effective, self.state.defaults))
         return RequestPlan(prompts=prompts, sampling=sampling, n=req.n)
 
-    def admit(self, plan: RequestPlan) -> None:
-        """Raise 429 when the router is at a limit now, 400 when the request could never be admitted.
-
-        Admission counts what is not decoding yet: bounded queues keep admitted requests' latency bounded under
-        overload (the surplus is told to come back instead of queueing without end); see ``started_decoding``
-        for why the first token is not the end of the queue. Every choice (prompt x n) is one queued request.
-        """
-        st, settings = self.state, self.settings
-        limit = settings.max_concurrent_requests
-        retry = {"Retry-After": str(max(settings.retry_after_s, 1))}
-        if limit and st.active >= limit:
-            raise OpenAIError(429, f"The server is serving its limit of {limit} concurrent requests; retry later",
-                              headers=retry)
-        total = len(plan.prompts) * plan.n
-        max_queued = settings.max_queued_requests
-        if max_queued and total > max_queued:  # could never be admitted: not worth a retry
-            raise errors.bad_request(
-                f"This request has {total} choices ({len(plan.prompts)} prompts x n={plan.n}); the server queues "
-                f"at most {max_queued} at once (--max-queued-requests): send fewer prompts or a smaller n",
-                "prompt" if len(plan.prompts) > 1 else "n")
-        if max_queued and st.queued + total > max_queued:
-            raise OpenAIError(429, f"{st.queued} requests are waiting for prefill or a decode slot (limit "
-                                   f"{max_queued}); retry later", headers=retry)
-        new_tokens = sum(len(ids) for ids in plan.prompts) * plan.n
-        if settings.max_queued_prompt_tokens and st.queued and \
-                st.queued_tokens + new_tokens > settings.max_queued_prompt_tokens:
-            raise OpenAIError(429, f"{st.queued_tokens} prompt tokens are waiting for prefill or a decode slot "
-                                   f"(limit {settings.max_queued_prompt_tokens}); retry later", headers=retry)
-
     # ---- submit ------------------------------------------------------------------------------------
 
     async def submit(self, req: GenerationRequest, kind: str, header_id: str | None = None,
@@ -171,12 +145,10 @@ class CompletionService:
         429, 503), ``RedisError``; a request that fails part way has its queued choices aborted."""
         arrival_wall, arrival = time.time(), time.monotonic()
         plan = await self.plan(req)
-        self.admit(plan)
-        job = self.new_job(req, kind, plan, header_id, arrival_wall, arrival)
         st = self.state
-        st.active += 1
-        st.queued += len(job.waiting)
-        st.queued_tokens += sum(job.waiting.values())
+        st.admission.check([len(ids) for ids in plan.prompts], plan.n)
+        job = self.new_job(req, kind, plan, header_id, arrival_wall, arrival)
+        st.admission.admit(job.waiting)
         st.metrics.running.inc()
         cache_salt = tenant_cache_salt(req.cache_salt, api_key_id) if self.settings.cache_salt_per_api_key \
             else req.cache_salt
@@ -248,9 +220,8 @@ class CompletionService:
             return
         job.closed = True
         st = self.state
-        self.dequeue(job)
         with anyio.CancelScope(shield=True):
-            st.active -= 1
+            st.admission.release(job.waiting)
             st.metrics.running.dec()
             if aborted:
                 st.metrics.aborted.labels(self.settings.served_name, reason).inc()
@@ -262,14 +233,6 @@ class CompletionService:
             for pod_id in set(job.pods):
                 st.dispatcher.finished(pod_id, job.pods.count(pod_id))
             job.pods.clear()
-
-    def dequeue(self, job: Job, choices: Iterable[int] | None = None) -> None:
-        """Stop counting ``choices`` (default: all) of ``job`` as queued."""
-        for index in list(job.waiting) if choices is None else choices:
-            tokens = job.waiting.pop(index, None)
-            if tokens is not None:
-                self.state.queued -= 1
-                self.state.queued_tokens -= tokens
 
     def record_finish(self, job: Job) -> None:
         """Count a completed job's usage and finish reasons (the metrics clients' usage sums to)."""
@@ -306,7 +269,7 @@ class CompletionService:
         try:
             async for index, event in self.relay(job):
                 if index in job.waiting and started_decoding(event):
-                    self.dequeue(job, (index,))
+                    self.state.admission.dequeue(job.waiting, (index,))
                 timings[index].on_event(self.state.metrics, event)
                 if event.error is not None:
                     raise worker_error(event.error)

@@ -12,6 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from pdserve.services.router import delivery
+from pdserve.services.router.admission import Admission
 from pdserve.services.router.dispatch import DispatchConfig, Dispatcher
 from pdserve.services.router.errors import OpenAIError
 from pdserve.services.router.metrics import RouterMetrics
@@ -50,8 +51,10 @@ def make_service(redis_url: str, processor, directory: Directory | None = None, 
     s = RouterSettings(redis_url=redis_url, registry_cache_s=0.0, routing_mode="least_loaded", **settings)
     redis = Redis.from_url(s.redis_url)
     dispatcher = Dispatcher(redis, directory or Directory(), DispatchConfig.from_settings(s), router_id=ROUTER_ID)
+    admission = Admission(s.max_concurrent_requests, s.max_queued_requests, s.max_queued_prompt_tokens,
+                          s.retry_after_s)
     state = RouterState(settings=s, processor=processor, redis=redis, dispatcher=dispatcher,
-                        metrics=RouterMetrics(s.served_name), defaults={}, router_id=ROUTER_ID)
+                        metrics=RouterMetrics(s.served_name), defaults={}, admission=admission, router_id=ROUTER_ID)
     return CompletionService(state, ServedModel(s.served_name, s.model, processor.max_model_len, state.created))
 
 
@@ -69,8 +72,8 @@ def completion(**fields) -> CompletionRequest:
 
 
 def counters(service: CompletionService) -> tuple[int, int, int, dict]:
-    st = service.state
-    return st.active, st.queued, st.queued_tokens, dict(st.dispatcher.in_flight)
+    admission = service.state.admission
+    return admission.active, admission.queued, admission.queued_tokens, dict(service.state.dispatcher.in_flight)
 
 
 @pytest.mark.asyncio
@@ -124,7 +127,7 @@ async def test_admission_refuses_with_exact_bodies(redis_url, redis_client, proc
         await service.submit(completion(prompt="Hello", max_tokens=2), "completion")
     assert (busy.value.status, busy.value.headers) == (429, {"Retry-After": "1"})
     assert busy.value.message == "The server is serving its limit of 1 concurrent requests; retry later"
-    service.settings.max_concurrent_requests = 0
+    service.state.admission.max_concurrent_requests = 0
     with pytest.raises(OpenAIError) as full:
         await service.submit(completion(prompt="Hello", n=2, max_tokens=2), "completion")
     assert full.value.message == "2 requests are waiting for prefill or a decode slot (limit 3); retry later"
@@ -157,7 +160,7 @@ async def test_events_dequeue_at_the_second_token_and_raise_a_worker_error(redis
     seen = []
     with pytest.raises(OpenAIError) as exc:
         async for index, event in service.events(job):
-            seen.append((index, event.completion_tokens, service.state.queued))
+            seen.append((index, event.completion_tokens, service.state.admission.queued))
     assert seen == [(0, 1, 1), (0, 2, 0)]
     assert exc.value.body() == {"error": {"message": "bad stop", "type": "BadRequestError", "param": "stop",
                                           "code": 400}}
