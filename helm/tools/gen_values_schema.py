@@ -36,6 +36,11 @@ PDB = obj({"enabled": B,
            "minAvailable": {"anyOf": [I0, {"type": "string", "pattern": r"^[0-9]+%$"}]}},
           required=["enabled"])
 SHM = obj({"enabled": B, "sizeLimit": QTY})
+# vLLM's speculative_config dict for decode pods; {} = off (docs/engine.md)
+SPEC = obj({"method": {"enum": ["ngram", "draft_model"]},
+            "num_speculative_tokens": I1, "prompt_lookup_max": I1, "prompt_lookup_min": I1,
+            "model": S, "disable_by_batch_size": I1, "adaptive": B},
+           description="vLLM's speculative_config for decode pods ({} = off)")
 
 def tier(extra_props=None, replicas=True, pdb=True, gpu=False):
     p = {
@@ -141,7 +146,7 @@ schema = {
                         "shutdownGraceSeconds": {"type": "number", "minimum": 0}, "preStopSleepSeconds": I0}),
         "registry": tier(),
         "prefill": tier(gpu=True),
-        "decode": tier({"kvPort": PORT}, gpu=True),
+        "decode": tier({"kvPort": PORT, "speculativeConfig": SPEC}, gpu=True),
         "planner": tier({"intervalSeconds": I1, "dryRun": B}, replicas=False, pdb=False),
         "autoscaling": obj({
             "mode": {"enum": ["none", "hpa", "keda", "planner"]},
