@@ -1,9 +1,10 @@
 """A seeded request samples the same tokens whatever runs beside it (issue 12, item 1's follow-up).
 
 Oracle: the same seeded requests run on their own. Sampling is over the whole vocabulary at temperature 1
-(top_k=-1, top_p=1), where fp32 noise matters most: another batch shape (other neighbours, another order) or
-a prefix-cache hit (only the prompt's tail prefilled) changes the logits in their last bits. Inverse-CDF
-sampling flipped about 1% of such draws; the exponential race must not.
+(top_k=-1, top_p=1), where fp32 noise matters most: another batch shape (other neighbours, another order), a
+prefix-cache hit (only the prompt's tail prefilled) or a resume after a move (the output so far prefilled in one
+pass instead of decoded token by token) changes the logits in their last bits. Inverse-CDF sampling flipped
+about 1% of such draws; the exponential race must not.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 
-SEEDS = range(1, 7)
+SEEDS = range(1, 9)
 
 
 def _seeded(seed: int) -> SamplingParams:
@@ -54,3 +55,11 @@ def test_seeded_tokens_do_not_depend_on_batch_neighbours_or_prefix_cache_hits(pr
     # salts "a" again: 32 of each 40-token prompt are cached (and 16 of the unseeded neighbour's 25)
     assert tokens(_run(engine, seeded("hit", "a")[::2] + neighbours[1:2] + seeded("hit", "a")[1::2]), "hit") == alone
     assert engine.get_stats()["prefix_cache_hits"] == 32 * len(SEEDS) + 16
+
+    # resumed after 6 tokens (a migration): their KV recomputed by one prefill, the generator skipped 6 draws
+    for s, want in zip(SEEDS, alone):
+        engine.add_request(f"resume-{s}", prompts[s], _seeded(s), cache_salt=f"d-{s}", output_token_ids=want[:6])
+    resumed = {}
+    while engine.has_unfinished_requests():
+        resumed.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    assert tokens(resumed, "resume") == alone
