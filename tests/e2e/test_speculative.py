@@ -33,6 +33,8 @@ def test_speculating_decode_pod_matches_plain_offline_engine(ensemble, tokenizer
     client = openai.OpenAI(base_url=f"{ensemble.router_url}/v1", api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": COPY}]
     prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    # transformers 5 returns a BatchEncoding from apply_chat_template
+    prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
     want = LLM(MODEL, dtype="float32").generate([prompt_ids], SamplingParams(temperature=0, max_tokens=48))[0].outputs[0]
 
     full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=48)

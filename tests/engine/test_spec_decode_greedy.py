@@ -27,6 +27,8 @@ def prompts(tokenizer):
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat exactly: the bridges are painted "
                                            "in different colours, each guild choosing its own."}],
                                          add_generation_prompt=True)
+    # transformers 5 returns a BatchEncoding from apply_chat_template
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
     return [ids[:n] for n in LENGTHS] + [chat]
 
 
