@@ -5,6 +5,7 @@ the router's or the registry's app loads no torch."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_contracts_are_kept():
-    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+    # import-linter's CLI runs logging.config.dictConfig with disable_existing_loggers left True: every logger
+    # created so far (pdserve.transport, ...) would stay disabled for the rest of the session, and later tests
+    # that read log records (caplog) would see none. Put their state back.
+    loggers = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    disabled = {lg: lg.disabled for lg in loggers}
+    try:
+        assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+    finally:
+        for lg, was in disabled.items():
+            lg.disabled = was
 
 
 @pytest.mark.slow  # a fresh interpreter: the only way to see what an import loads

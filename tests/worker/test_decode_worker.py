@@ -28,6 +28,7 @@ class RecordingEngine:
         self.calls: list[tuple] = []
         self.reserved: dict = {}
         self.scheduler = SimpleNamespace(num_waiting=0)
+        self.num_waiting = 0  # the facade's count of requests waiting for blocks (none here)
 
     def reserve(self, request_id, prompt_token_ids, cache_salt=None):
         self.calls.append(("reserve", request_id))
