@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from pdserve.services.router.errors import OpenAIError
 from pdserve.services.router.relay import ChoiceRoute, OutputRelay, accept
 from pdserve.shared.protocol.messages import OutputEvent
+from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.worker.output_writer import OutputWriter
 
 
@@ -52,7 +53,7 @@ def test_relay_replay_then_migration_gives_each_token_once(redis_url):
     async def scenario():
         redis = Redis.from_url(redis_url)
         writer = OutputWriter(redis)
-        route = ChoiceRoute("req", "pod-a", [1, 2, 3], {"max_tokens": 5, "temperature": 0.0})
+        route = ChoiceRoute("req", "pod-a", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0))
         migrations = []
 
         async def migrate(index, r, reason):

@@ -295,7 +295,7 @@ async def migrate_and_finish(cluster, ids: list[int], salt: str | None,
     job = types.SimpleNamespace(request_ids=[stem], pods=["decode-gone"])
     sent = 16
     route = ChoiceRoute(stem, "decode-gone", ids[:-sent],
-                        SamplingParams(temperature=0, max_tokens=sent + 2, ignore_eos=True).to_dict(), salt)
+                        SamplingParams(temperature=0, max_tokens=sent + 2, ignore_eos=True), salt)
     route.token_ids = list(ids[-sent:])
     consumers = cluster.names("decode" if local else "prefill")
     stream = keys.decode_stream(decode_pod(cluster)["pod_id"]) if local else keys.PREFILL_STREAM

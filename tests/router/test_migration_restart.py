@@ -16,6 +16,7 @@ from pdserve.services.router.dispatch import DispatchConfig, Dispatcher
 from pdserve.services.router.migration import Migrator
 from pdserve.services.router.relay import ChoiceRoute
 from pdserve.shared.registry_client import RegistryClient
+from pdserve.shared.protocol.sampling_params import SamplingParams
 
 
 def health_server(started_at: float) -> ThreadServer:
@@ -43,7 +44,7 @@ def check(redis_url: str, registry_url: str, route: ChoiceRoute) -> bool:
 
 
 def route(**kw) -> ChoiceRoute:
-    return ChoiceRoute("cmpl-1", "decode-0", [1, 2, 3], {"max_tokens": 8}, pod_started_at=100.0, **kw)
+    return ChoiceRoute("cmpl-1", "decode-0", [1, 2, 3], SamplingParams(max_tokens=8), pod_started_at=100.0, **kw)
 
 
 def test_a_listed_pod_is_alive_only_in_the_incarnation_that_got_the_request(redis_url, registry_url, pods,
