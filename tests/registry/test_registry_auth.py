@@ -225,8 +225,11 @@ async def test_a_worker_with_the_token_heartbeats_and_one_without_gets_a_clear_e
     from pdserve.shared.worker.settings import WorkerSettings
 
     # the worker's own client, built from its settings the way a prefill/decode process builds it
+    class DecodeRole(Worker):  # the base class names no role of its own; a role subclass does
+        role = "decode"
+
     monkeypatch.setenv("PDSERVE_REGISTRY_TOKEN", TOKEN)
-    worker = Worker(WorkerSettings(registry_url=secured.url, redis_url="redis://127.0.0.1:1/0"))
+    worker = DecodeRole(WorkerSettings(registry_url=secured.url, redis_url="redis://127.0.0.1:1/0"))
     try:
         stored = await worker.registry.heartbeat(pod())
         assert stored.pod_id == "decode-0" and stored.last_heartbeat is not None
