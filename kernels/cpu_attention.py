@@ -20,7 +20,12 @@ import torch
 from pdserve.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# The reassociation -ffast-math would allow (vectorized reductions), without -ffast-math itself: gcc links
+# crtfastmath.o into a shared library built with -ffast-math/-Ofast/-funsafe-math-optimizations, and its
+# constructor sets flush-to-zero and denormals-are-zero for the whole process at dlopen -- every float in
+# the server (and hypothesis, in the tests) then lost subnormals.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+         "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lib: ctypes.CDLL | None = None
 _tried = False

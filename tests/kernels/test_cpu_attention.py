@@ -42,3 +42,14 @@ def test_a_sequence_without_query_rows_is_skipped():
     out = cpu_attention.paged_attention_cpu(step.query, step.k_cache, step.v_cache, md.block_tables, md.seq_lens,
                                             md.query_start_loc, 0.125)
     assert rel_err(out, ref) < REL_TOL[torch.float32]
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """A library built with -ffast-math sets flush-to-zero for the whole process when loaded (crtfastmath.o)."""
+    from pdserve.kernels import cpu_elementwise
+
+    cpu_attention.load()
+    cpu_elementwise.load()
+    tiny = float.fromhex("0x1p-1022")  # the smallest normal double
+    assert tiny / 2 > 0
+    assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0
