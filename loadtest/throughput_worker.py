@@ -146,8 +146,11 @@ RUNNERS = {"pdserve": PdserveRunner, "pdserve-ref-attn": PdserveReferenceAttenti
 
 
 def main(system: str) -> None:
-    out = sys.stdout
-    sys.stdout = sys.stderr  # library chatter must not corrupt the protocol
+    # library chatter (vLLM's engine-core process and C code write to fd 1) must not corrupt the protocol:
+    # the protocol gets a private copy of stdout and fd 1 becomes stderr
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     spec = json.loads(sys.stdin.readline())
     if system.startswith("pdserve"):
         import pdserve  # noqa: F401 -- sets its OpenMP wait policy before torch loads
