@@ -89,8 +89,22 @@ class Contender:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([python, str(WORKER), system], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, text=True, env=env)
-        self._send(json.dumps(spec))
-        self.load_seconds = self._read()["ready"]
+        try:
+            self._send(json.dumps(spec))
+            self.load_seconds = self._read()["ready"]
+        except (RuntimeError, ValueError, KeyError, OSError):
+            # a worker that did not start must not keep its memory (vLLM's engine core is a child process)
+            try:
+                children = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                children = []
+            for p in [self.proc, *children]:
+                try:
+                    p.kill()
+                except (psutil.NoSuchProcess, ProcessLookupError):
+                    pass
+            self.proc.wait()
+            raise
 
     def _send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
