@@ -83,3 +83,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def torch_dtype(self):
+        """The ``torch.dtype`` that ``dtype`` names (``auto``: bf16 on CUDA, fp32 elsewhere)."""
+        import torch  # here, so that reading a config needs no torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(self.dtype, self.dtype))

@@ -31,7 +31,7 @@ from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import Sampler, SamplingMetadata, advance_generator
 from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler
-from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder
+from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder, split_logits_rows
 from pdserve.shared.engine.stats import EngineCounters, kv_and_scheduler_stats
 from pdserve.shared.engine.swap import SwapManager
 from pdserve.shared.models.loader import load_config, load_model
@@ -40,10 +40,6 @@ from pdserve.shared.models.resolve import resolve_model
 __all__ = ["LLMEngine", "RequestRejected"]
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
 
 def _attention_backend(name: str, device: str):
     from pdserve.kernels.backend import get_attention_backend
@@ -59,8 +55,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model_config = mc = load_config(self.model_dir)
-        auto = torch.bfloat16 if config.device.startswith("cuda") else torch.float32
-        self.dtype = auto if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)
         self.backend = _attention_backend(config.attention_backend, config.device)
         self.kv_spec = KVCacheSpec.from_model_config(mc, config.block_size, self.dtype)
@@ -170,22 +165,13 @@ class LLMEngine:
         self.stats.track_peaks(self.scheduler, self.kv_manager)
         if not sampling:
             return []
-        # one logits row per plain request, 1 + k rows for one verifying k draft tokens
-        plain, rows, verifying, row = [], [], [], 0
-        for request in sampling:
-            draft = out.spec_token_ids.get(request.request_id)
-            if draft:
-                verifying.append((request, draft, row))
-                row += len(draft) + 1
-            else:
-                plain.append(request)
-                rows.append(row)
-                row += 1
+        plain, rows, verifying = split_logits_rows(sampling, out.spec_token_ids)
         now = time.time()
         if plain:
             self._sample(logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows)], plain, now)
         if verifying:
-            self._verify(logits, verifying, now)
+            self.spec.verify_and_append(logits, verifying, lambda r, token, lp: self._emit(r, token, lp, now),
+                                        self.kv_manager)
         return self.output.take_outputs()
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request], now: float) -> None:
@@ -195,26 +181,12 @@ class LLMEngine:
             self.vocab_size)
         result = self.sampler(logits, md)
         for request, token, lp in zip(sampling, result.sampled_token_ids, result.logprobs):
-            self._append_token(request, token, lp, now)
-            self.stats.sampled_tokens += 1
+            self._emit(request, token, lp, now)
 
-    def _verify(self, logits: torch.Tensor, verifying: list[tuple[Request, list[int], int]], now: float) -> None:
-        """Speculative step: append each request's accepted drafts and its recovered/bonus token in order (a stop,
-        EOS or max_tokens ends the run; later tokens are dropped), then roll ``num_computed_tokens`` back to the
-        verified tokens and free the blocks that held only rejected drafts."""
-        idx = [r for _, draft, start in verifying for r in range(start, start + len(draft) + 1)]
-        requests = [request for request, _, _ in verifying]
-        result = self.spec.verify(logits[torch.tensor(idx)], requests, [draft for _, draft, _ in verifying])
-        for request, tokens, lps in zip(requests, result.token_ids, result.logprobs):
-            request.spec_token_ids = []
-            for token, lp in zip(tokens, lps):
-                self._append_token(request, token, lp, now)
-                self.stats.sampled_tokens += 1
-                if request.is_finished:
-                    break
-            if not request.is_finished:
-                request.num_computed_tokens = request.num_tokens - 1
-                self.kv_manager.trim(request, request.num_computed_tokens)
+    def _emit(self, request: Request, token: int, lp, now: float) -> None:
+        """Append a token this engine sampled."""
+        self._append_token(request, token, lp, now)
+        self.stats.sampled_tokens += 1
 
     def _append_token(self, request: Request, token: int, lp, now: float) -> None:
         reason = self.output.append_token(request, token, lp, now)

@@ -58,3 +58,10 @@ def test_what_cannot_fit_is_refused_with_the_reason():
     with pytest.raises(ValueError, match=r"does not fit in the KV cache \(4 blocks x 16 = 64 tokens\)"):
         plan_kv_cache(EngineConfig(num_kv_blocks=5, max_model_len=65), MODEL, SPEC)
     assert plan_kv_cache(EngineConfig(num_kv_blocks=5, max_model_len=64), MODEL, SPEC).max_model_len == 64
+
+
+@pytest.mark.parametrize("dtype,device,want", [
+    ("auto", "cpu", torch.float32), ("auto", "cuda:0", torch.bfloat16), ("bf16", "cpu", torch.bfloat16),
+    ("fp16", "cpu", torch.float16), ("float32", "cuda", torch.float32)])
+def test_dtype_names_the_kv_and_weight_dtype(dtype, device, want):
+    assert EngineConfig(dtype=dtype, device=device).torch_dtype() is want

@@ -3,21 +3,42 @@
 Before ``Scheduler.schedule`` it sets ``spec_token_ids`` on every decoding request (``num_computed_tokens
 == num_tokens - 1``): up to k proposals, trimmed so that positions stay below ``max_model_len`` and no
 more than ``max_tokens`` can be emitted. After the forward pass it verifies each request's rows with the
-``RejectionSampler`` and keeps vLLM's counters (``spec_decode_num_drafts``, ``..._num_draft_tokens``,
+``RejectionSampler``, appends the tokens it accepts, rolls the rest back (``verify_and_append``) and keeps vLLM's counters (``spec_decode_num_drafts``, ``..._num_draft_tokens``,
 ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from pdserve.shared.engine.kv_cache_manager import KVCacheManager
 from pdserve.shared.engine.request import Request
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
 from pdserve.shared.engine.spec_decode.ngram_proposer import NgramProposer
 from pdserve.shared.engine.spec_decode.policy import SpecPolicy
 from pdserve.shared.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyOutput, spec_metadata
+
+# (request, its draft token ids, index of its first logits row)
+Verifying = tuple[Request, list[int], int]
+
+
+def split_logits_rows(sampling: Sequence[Request], spec_token_ids: dict[str, list[int]]
+                      ) -> tuple[list[Request], list[int], list[Verifying]]:
+    """The step's logits rows per request: one row for a plain request, ``1 + k`` for one verifying ``k`` drafts.
+    Returns ``(plain requests, their rows, verifying requests)``."""
+    plain, rows, verifying, row = [], [], [], 0
+    for request in sampling:
+        draft = spec_token_ids.get(request.request_id)
+        if draft:
+            verifying.append((request, draft, row))
+            row += len(draft) + 1
+        else:
+            plain.append(request)
+            rows.append(row)
+            row += 1
+    return plain, rows, verifying
 
 
 class SpecDecoder:
@@ -69,6 +90,25 @@ class SpecDecoder:
             for pos in range(accepted):
                 self.num_accepted_tokens_per_pos[pos] += 1
         return result
+
+    def verify_and_append(self, logits: torch.Tensor, verifying: Sequence[Verifying],
+                          append_token: Callable[[Request, int, object], None], kv: KVCacheManager) -> None:
+        """The speculative step's second half: append each request's accepted drafts and its recovered/bonus token
+        in order through ``append_token(request, token, logprobs)`` (a stop, EOS or max_tokens ends the run; later
+        tokens are dropped), then roll ``num_computed_tokens`` back to the verified tokens and free the blocks that
+        held only rejected drafts (``KVCacheManager.trim``). ``logits``: the whole step's rows."""
+        idx = [r for _, draft, start in verifying for r in range(start, start + len(draft) + 1)]
+        requests = [request for request, _, _ in verifying]
+        result = self.verify(logits[torch.tensor(idx)], requests, [draft for _, draft, _ in verifying])
+        for request, tokens, lps in zip(requests, result.token_ids, result.logprobs):
+            request.spec_token_ids = []
+            for token, lp in zip(tokens, lps):
+                append_token(request, token, lp)
+                if request.is_finished:
+                    break
+            if not request.is_finished:
+                request.num_computed_tokens = request.num_tokens - 1
+                kv.trim(request, request.num_computed_tokens)
 
     def get_stats(self) -> dict:
         """vLLM's counters, plus ``spec_decode_acceptance_rate`` (accepted / draft tokens) and
