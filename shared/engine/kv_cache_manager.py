@@ -124,6 +124,16 @@ class KVCacheManager:
             self.cache_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
+    def allocate_uncached(self, request: Request, num_blocks: int) -> list[int]:
+        """Give a request that holds no block ``num_blocks`` new ones, none registered in the prefix cache yet
+        (swap-in: their KV is copied in before the step; ``cache_blocks`` registers them as they fill). Returns
+        their ids. Raises ``ValueError`` when fewer are free (check ``num_free_blocks`` first)."""
+        assert request.request_id not in self.req_to_blocks, "the request already holds blocks"
+        blocks = self.block_pool.get_new_blocks(num_blocks)
+        self.req_to_blocks[request.request_id] = blocks
+        self.num_cached_block[request.request_id] = 0
+        return [b.block_id for b in blocks]
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that ``num_tokens`` computed tokens fill in the prefix cache."""
         if not self.enable_caching:

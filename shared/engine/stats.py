@@ -57,7 +57,7 @@ def kv_and_scheduler_stats(scheduler: Scheduler, kv: KVCacheManager) -> dict:
     pcs = kv.prefix_cache_stats
     swap = scheduler.swap
     return {
-        "kv_blocks_total": kv.block_pool.num_blocks - 1,
+        "kv_blocks_total": kv.num_used_blocks + kv.num_free_blocks,
         "kv_blocks_used": kv.num_used_blocks,
         "kv_cache_usage": kv.usage,
         "kv_tokens_live": live_tokens(scheduler),

@@ -19,7 +19,7 @@ class SwapManager:
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
 
     def can_swap_out(self, request: Request) -> bool:
-        return len(self.kv.req_to_blocks.get(request.request_id, ())) <= len(self.free_cpu_blocks)
+        return self.kv.num_held_blocks(request.request_id) <= len(self.free_cpu_blocks)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         device_ids = self.kv.get_block_ids(request.request_id)
@@ -33,15 +33,13 @@ class SwapManager:
         the slot a decode step usually needs)."""
         held = len(self.req_to_cpu_blocks[request.request_id])
         needed = held + 1 if num_blocks_needed is None else max(held, num_blocks_needed)
-        return needed <= self.kv.block_pool.get_num_free_blocks()
+        return needed <= self.kv.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         cpu_ids = self.req_to_cpu_blocks.pop(request.request_id)
-        blocks = self.kv.block_pool.get_new_blocks(len(cpu_ids))
-        self.kv.req_to_blocks[request.request_id] = blocks
-        self.kv.num_cached_block[request.request_id] = 0  # re-registered in the prefix cache as they are
+        device_ids = self.kv.allocate_uncached(request, len(cpu_ids))
         self.free_cpu_blocks.extend(reversed(cpu_ids))
-        return list(zip(cpu_ids, [b.block_id for b in blocks]))
+        return list(zip(cpu_ids, device_ids))
 
     def free(self, request: Request) -> None:
         self.free_cpu_blocks.extend(reversed(self.req_to_cpu_blocks.pop(request.request_id, [])))

@@ -129,3 +129,18 @@ def test_kv_events_report_stored_and_removed_hashes():
     assert [(e.kind, e.block_hashes) for e in events][:1] == [("stored", hashes)]
     assert sorted(h for e in events if e.kind == "removed" for h in e.block_hashes) == sorted(hashes)
     assert kv.take_events() == []
+
+
+def test_swap_in_blocks_are_fresh_and_join_the_prefix_cache_only_as_they_are_cached_again():
+    kv = KVCacheManager(8, BLOCK)
+    a = req("a", list(range(10)))
+    prefill(kv, a)
+    cached = kv.cached_block_hashes()
+    kv.free(a)  # swapped out: its blocks stay evictable in the cache
+    other = req("b", [7] * 16)
+    prefill(kv, other)  # takes free blocks from the head of the queue, evicting a's hashes
+    ids = kv.allocate_uncached(a, 3)
+    assert len(ids) == 3 and not set(ids) & set(kv.get_block_ids("b")) and kv.get_block_ids("a") == ids
+    assert not set(cached) & set(kv.cached_block_hashes()) and kv.num_free_blocks == 0
+    kv.cache_blocks(a, 10)  # the swapped-in KV is in place again
+    assert set(cached) <= set(kv.cached_block_hashes())
