@@ -36,11 +36,28 @@ PDB = obj({"enabled": B,
            "minAvailable": {"anyOf": [I0, {"type": "string", "pattern": r"^[0-9]+%$"}]}},
           required=["enabled"])
 SHM = obj({"enabled": B, "sizeLimit": QTY})
-# vLLM's speculative_config dict for decode pods; {} = off (docs/engine.md)
-SPEC = obj({"method": {"enum": ["ngram", "draft_model"]},
-            "num_speculative_tokens": I1, "prompt_lookup_max": I1, "prompt_lookup_min": I1,
-            "model": S, "disable_by_batch_size": I1, "adaptive": B},
-           description="vLLM's speculative_config for decode pods ({} = off)")
+
+
+def speculative_config_schema() -> dict:
+    """vLLM's speculative_config dict for decode pods ({} = off; docs/engine.md): one property per field of the
+    engine's ``SpeculativeConfig``, so a field added there is accepted by the chart without a second list here.
+    Its validation is the types' bounds: every integer is >= 1, ``method`` one of ``METHODS``."""
+    import typing
+    from dataclasses import fields
+
+    from pdserve.shared.engine.spec_decode.config import METHODS, SpeculativeConfig
+
+    hints = typing.get_type_hints(SpeculativeConfig)
+    by_type = {int: I1, str: S, bool: B, float: {"type": "number"}}
+    props = {}
+    for f in fields(SpeculativeConfig):
+        kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+        assert len(kinds) == 1 and kinds[0] in by_type, f"SpeculativeConfig.{f.name}: no schema for {hints[f.name]}"
+        props[f.name] = {"enum": list(METHODS)} if f.name == "method" else by_type[kinds[0]]
+    return obj(props, description="vLLM's speculative_config for decode pods ({} = off)")
+
+
+SPEC = speculative_config_schema()
 
 def tier(extra_props=None, replicas=True, pdb=True, gpu=False):
     p = {

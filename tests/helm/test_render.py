@@ -109,6 +109,18 @@ def test_values_schema_file_is_current():
     assert (CHART / "values.schema.json").read_text() == gen.render(), "run: python helm/tools/gen_values_schema.py"
 
 
+def test_values_schema_accepts_exactly_the_speculative_config_fields_of_the_engine():
+    import json
+    from dataclasses import fields
+
+    from pdserve.shared.engine.spec_decode.config import METHODS, SpeculativeConfig
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    spec = schema["properties"]["decode"]["properties"]["speculativeConfig"]
+    assert list(spec["properties"]) == [f.name for f in fields(SpeculativeConfig)]
+    assert spec["properties"]["method"] == {"enum": list(METHODS)} and spec["additionalProperties"] is False
+
+
 @pytest.mark.parametrize("case", list(VALUES_FILES))
 def test_notes_tell_how_to_reach_the_router_and_how_it_scales(chart, case):
     values = load_values(case)
