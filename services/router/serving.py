@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
+from pdserve.shared.logs import request_id as log_request_id
 from pdserve.shared.protocol.messages import OutputEvent
 
 from . import delivery, errors
@@ -144,10 +145,14 @@ class CompletionService:
         ``api_key_id``: which API key authenticated it (per-key cache salts). Errors: ``OpenAIError`` (400, 404,
         429, 503), ``RedisError``; a request that fails part way has its queued choices aborted."""
         arrival_wall, arrival = time.time(), time.monotonic()
+        response_id, client_chose = self.response_id(req, kind, header_id)
+        # Every log line of this request names it from here on: this task's and those it starts (a stream's).
+        # Each request runs in a task of its own, so the value ends with it. The workers' ids start with it.
+        log_request_id.set(response_id)
         plan = await self.plan(req)
         st = self.state
         st.admission.check([len(ids) for ids in plan.prompts], plan.n)
-        job = self.new_job(req, kind, plan, header_id, arrival_wall, arrival)
+        job = self.new_job(req, kind, plan, response_id, client_chose, arrival_wall, arrival)
         st.admission.admit(job.waiting)
         st.metrics.running.inc()
         cache_salt = tenant_cache_salt(req.cache_salt, api_key_id) if self.settings.cache_salt_per_api_key \
@@ -161,15 +166,19 @@ class CompletionService:
             raise
         return job
 
-    def new_job(self, req: GenerationRequest, kind: str, plan: RequestPlan, header_id: str | None,
-                arrival_wall: float, arrival: float) -> Job:
-        """The job's ids (the client's request id when it sent a valid one) and its response builder."""
-        total = len(plan.prompts) * plan.n
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    @staticmethod
+    def response_id(req: GenerationRequest, kind: str, header_id: str | None) -> tuple[str, bool]:
+        """The id the client sees (``cmpl-``/``chatcmpl-`` and the client's request id when it sent a valid one,
+        else a fresh uuid), and whether the client chose it."""
         client_id = req.request_id or (header_id if header_id and REQUEST_ID_RE.match(header_id) else None)
-        response_id = f"{prefix}-{client_id or uuid.uuid4().hex}"
+        return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{client_id or uuid.uuid4().hex}", client_id is not None
+
+    def new_job(self, req: GenerationRequest, kind: str, plan: RequestPlan, response_id: str, client_chose: bool,
+                arrival_wall: float, arrival: float) -> Job:
+        """The job's internal request ids (``response_id``, or ``response_id-<i>`` per choice) and its builder."""
+        total = len(plan.prompts) * plan.n
         # A client may reuse its id (retries): internal ids must stay unique, they name the output streams.
-        stem = f"{response_id}-{uuid.uuid4().hex[:8]}" if client_id else response_id
+        stem = f"{response_id}-{uuid.uuid4().hex[:8]}" if client_chose else response_id
         request_ids = [stem] if total == 1 else [f"{stem}-{i}" for i in range(total)]
         builder = self._builder(req, kind, plan, response_id, int(arrival_wall))
         return Job(response_id, request_ids, [], arrival, builder,

@@ -218,3 +218,39 @@ async def test_a_stream_ends_an_error_with_its_body_and_done(redis_url, redis_cl
     assert service.state.metrics.registry.get_sample_value(
         "pdserve:requests_aborted_total", {"model_name": "smollm2-135m-instruct", "reason": "InternalServerError"}) == 1
     assert counters(service) == (0, 0, 0, {})
+
+
+@pytest.mark.asyncio
+async def test_router_log_lines_of_a_request_carry_its_id(redis_url, redis_client, processor):
+    import asyncio
+    import io
+    import logging
+
+    from pdserve.shared.logs import FORMAT, RequestIdFilter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter(FORMAT.replace("%(asctime)s ", "")))
+    log = logging.getLogger("pdserve.router")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    service = make_service(redis_url, processor)
+
+    async def one(client_id: str) -> None:
+        job = await service.submit(completion(prompt="Hello", max_tokens=2, request_id=client_id), "completion")
+        await asyncio.sleep(0.01)  # the other request logs meanwhile
+        await service.finish(job, aborted=True, reason="client_disconnected")
+
+    try:
+        await asyncio.gather(one("a"), one("b"))
+        log.info("between requests")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    lines = stream.getvalue().splitlines()
+    for rid in ("cmpl-a", "cmpl-b"):
+        mine = [line for line in lines if f"request {rid}" in line]
+        assert len(mine) == 2 and all(line.startswith(f"INFO pdserve.router [{rid}]: ") for line in mine), lines
+    assert lines[-1] == "INFO pdserve.router [-]: between requests"
