@@ -33,7 +33,10 @@ from urllib.parse import quote
 
 import click
 
+from pdserve.services.router.settings import RouterSettings
 from pdserve.shared.protocol.keys import redact_url
+from pdserve.shared.settings import cli_option, env_names
+from pdserve.shared.worker.settings import WorkerSettings
 
 SERVICE_ORDER = ("redis", "registry", "decode", "prefill", "router")
 
@@ -163,17 +166,23 @@ class UpOptions:
     stop_timeout_s: float = 10.0
 
 
-ENGINE_FLAGS = {
-    "dtype": "PDSERVE_DTYPE",
-    "max_model_len": "PDSERVE_MAX_MODEL_LEN",
-    "max_num_seqs": "PDSERVE_MAX_NUM_SEQS",
-    "max_num_batched_tokens": "PDSERVE_MAX_NUM_BATCHED_TOKENS",
-    "kv_cache_memory": "PDSERVE_KV_CACHE_MEMORY",
-    "block_size": "PDSERVE_BLOCK_SIZE",
-    "enable_prefix_caching": "PDSERVE_ENABLE_PREFIX_CACHING",
-    "local_prefill_threshold": "PDSERVE_LOCAL_PREFILL_THRESHOLD",
-    "speculative_config": "PDSERVE_SPECULATIVE_CONFIG",
-}
+# Settings ``pdserve up`` forwards to every child as ``PDSERVE_*`` variables: flag, type and help come from the
+# settings field of the service that reads them (shared/settings.py), so they cannot drift from it.
+FORWARDED = [(WorkerSettings, "dtype"), (WorkerSettings, "max_model_len"), (WorkerSettings, "max_num_seqs"),
+             (WorkerSettings, "max_num_batched_tokens"), (WorkerSettings, "kv_cache_memory"),
+             (WorkerSettings, "block_size"), (WorkerSettings, "enable_prefix_caching"),
+             (RouterSettings, "local_prefill_threshold"), (WorkerSettings, "speculative_config")]
+ENGINE_FLAGS = {name: env_names(name, cls.model_fields[name])[0] for cls, name in FORWARDED}
+
+
+def forwarded_options(fn):
+    """One click option per ``FORWARDED`` setting (``--speculative-config`` checked here, before anything starts)."""
+    for cls, name in reversed(FORWARDED):
+        field = cls.model_fields[name]
+        extra = {"callback": _speculative_config} if name == "speculative_config" else {}
+        help_ = f"{field.description} [{ENGINE_FLAGS[name]}, forwarded to the children that read it]"
+        fn = cli_option(cls, name, help=help_, **extra)(fn)
+    return fn
 
 
 def _speculative_config(ctx, param, value):
@@ -493,20 +502,7 @@ def run(opts: UpOptions) -> int:
 @click.option("--redis-url", default=None,
               help="Use this Redis instead of starting one [PDSERVE_REDIS_URL or REDIS_URL].")
 @click.option("--api-key", default=None, help="Router API key(s), comma-separated [PDSERVE_API_KEY].")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="[PDSERVE_DTYPE]")
-@click.option("--max-model-len", type=click.IntRange(min=1), default=None, help="[PDSERVE_MAX_MODEL_LEN]")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None, help="[PDSERVE_MAX_NUM_SEQS]")
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
-              help="[PDSERVE_MAX_NUM_BATCHED_TOKENS]")
-@click.option("--kv-cache-memory", default=None, help='KV cache size per worker, bytes or "512MiB" [PDSERVE_KV_CACHE_MEMORY]')
-@click.option("--block-size", type=click.IntRange(min=1), default=None, help="[PDSERVE_BLOCK_SIZE]")
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
-              help="[PDSERVE_ENABLE_PREFIX_CACHING]")
-@click.option("--local-prefill-threshold", type=click.IntRange(min=0), default=None,
-              help="[PDSERVE_LOCAL_PREFILL_THRESHOLD]")
-@click.option("--speculative-config", default=None, callback=_speculative_config,
-              help='Speculative decoding on the workers, vLLM\'s JSON, e.g. \'{"method": "ngram", '
-                   '"num_speculative_tokens": 4}\' [PDSERVE_SPECULATIVE_CONFIG]')
+@forwarded_options
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where child logs go [default: a new temporary directory, printed].")
 @click.option("--follow-logs", is_flag=True, help="Also print every child's log lines, prefixed with its name.")

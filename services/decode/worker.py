@@ -24,20 +24,11 @@ from pdserve.shared.transport.frames import Commit, CommitReply, Reserve, Reserv
 from pdserve.shared.transport.server import KVTransferServer
 from pdserve.shared.worker.base import Worker
 from pdserve.shared.worker.events import error_event, publish
-from pdserve.shared.worker.settings import WorkerSettings
 from pdserve.shared.worker.tracked import Tracked
 
+from pdserve.services.decode.settings import DecodeSettings
+
 logger = logging.getLogger(__name__)
-
-
-class DecodeSettings(WorkerSettings):
-    port: int = 8003
-    kv_port: int = 9000
-    colocated: bool = False
-    lease_ttl_s: float = 30.0
-    # how long / how many committed request ids are remembered to refuse a second hand-over of the same one
-    handover_memory_s: float = 900.0
-    handover_memory_max: int = 100_000
 
 
 class HandedOver:

@@ -32,34 +32,11 @@ from pdserve.shared.transport.pool import KVClientPool
 from pdserve.shared.worker.base import Worker
 from pdserve.shared.worker.events import error_event, publish
 from pdserve.shared.worker.redis_retry import retry_redis
-from pdserve.shared.worker.settings import WorkerSettings
 from pdserve.shared.worker.tracked import Tracked
 
+from pdserve.services.prefill.settings import PrefillSettings
+
 logger = logging.getLogger(__name__)
-
-
-class PrefillSettings(WorkerSettings):
-    port: int = 8002
-    # queue entries a worker holds at once (prefilling or transferring)
-    max_inflight: int = 64
-    # an entry idle this long in another consumer's pending list is taken over (that consumer died)
-    claim_idle_s: float = 60.0
-    # A decode pod with no free KV blocks: the finished prefill waits here (its KV exported, this pod's own blocks
-    # freed) in a first-come-first-served line per decode pod for up to this long, then fails with 503 (s; keep it
-    # below the router's --request-timeout-s, which ends a request silent for that long).
-    kv_wait_timeout_s: float = 480.0
-    # The longest a decode pod may take to accept and answer the KV-transfer handshake, or to answer any frame;
-    # past it the pod counts as unreachable (s).
-    kv_transfer_timeout_s: float = 20.0
-    # How long routers avoid a decode pod whose KV transfer timed out or broke (unless a transfer to it succeeds
-    # again first) (s).
-    kv_unreachable_cooldown_s: float = 30.0
-    # Prefilled KV held here while waiting for decode pods, in bytes: past it no new queue entry is taken (0 = no
-    # cap beyond max_inflight).
-    max_waiting_kv_bytes: int = 4 << 30
-    # The token budget per step (prefill chunk): an abort, a stats call or a new request waits at most one step,
-    # so a long prompt is prefilled in chunks of this size rather than in one step of minutes on a busy CPU.
-    max_num_batched_tokens: int = 512
 
 
 class PrefillWorker(Worker):

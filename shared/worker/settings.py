@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.settings import ServiceSettings
 
 
 def _default_pod_id() -> str:
@@ -18,43 +19,51 @@ def _default_pod_id() -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:63]
 
 
-class WorkerSettings(BaseSettings):
-    """``--max-num-seqs`` <-> ``PDSERVE_MAX_NUM_SEQS`` and so on; ``REDIS_URL`` is accepted as well."""
+class WorkerSettings(ServiceSettings):
+    """``--max-num-seqs`` <-> ``PDSERVE_MAX_NUM_SEQS`` and so on (the flags are generated from these fields:
+    ``shared/settings.py``); ``REDIS_URL`` is accepted as well."""
 
-    model_config = SettingsConfigDict(env_prefix="PDSERVE_", populate_by_name=True, extra="ignore")
-
-    host: str = "0.0.0.0"
-    port: int = Field(8003, ge=0, le=65535)
-    pod_id: str = Field(default_factory=_default_pod_id)
+    host: str = Field("0.0.0.0", description="HTTP bind address.")
+    port: int = Field(8003, ge=0, le=65535, description="HTTP port for /health and /metrics.")
+    pod_id: str = Field(default_factory=_default_pod_id,
+                        description="Unique pod name (default: the host name and a random suffix).")
     # Address other pods use to reach this one (the pod IP in Kubernetes).
-    advertise_host: str = "127.0.0.1"
-    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=AliasChoices("PDSERVE_REDIS_URL", "REDIS_URL"))
-    registry_url: str = "http://127.0.0.1:8001"
+    advertise_host: str = Field("127.0.0.1", description="Address other pods reach this one at.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=AliasChoices("PDSERVE_REDIS_URL", "REDIS_URL"),
+                           description="Redis URL.")
+    registry_url: str = Field("http://127.0.0.1:8001", description="Block registry URL.")
     # The registry's bearer token (PDSERVE_REGISTRY_TOKEN); None for a registry without authentication.
-    registry_token: SecretStr | None = None
-    kv_transfer_secret: str = "pdserve-dev-secret"
-    heartbeat_interval_s: float = Field(1.0, gt=0)
+    registry_token: SecretStr | None = Field(None, description=(
+        "The registry's bearer token (prefer the variable: a flag shows in ps)."))
+    kv_transfer_secret: str = Field("pdserve-dev-secret", description="Shared KV-transfer secret.")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between heartbeats to the registry.")
     # An engine whose loop finishes no step (nor idle wait) for this long counts as stuck: heartbeats stop (the pod
     # leaves the registry), /health answers 503, a prefill pod stops holding its queue entries. Far above any one
     # step: a long prefill on a loaded CPU is slow, not stuck.
-    engine_stall_s: float = Field(300.0, gt=0)
-    log_level: str = "info"
+    engine_stall_s: float = Field(300.0, gt=0, description=(
+        "An engine with no finished step for this long counts as stuck: no heartbeat, /health 503 (s)."))
+    log_level: str = Field("info", description="debug|info|warning|error.")
     # engine
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
+    model: str = Field("smollm2-135m-instruct", description="Model name, HF directory or .gguf.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="Weights and KV cache dtype (auto: bfloat16 on CUDA, float32 elsewhere).")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
+    max_num_seqs: int = Field(64, ge=1, description="Requests per batch.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step.")
+    enable_prefix_caching: bool = Field(True, description="Prefix caching.")
     # publish the prefix cache's block events to the registry (KV-aware routing)
-    enable_kv_events: bool = True
-    kv_cache_memory: str | None = None
-    preemption_mode: str = "recompute"
-    attention_backend: str = "auto"
-    device: str = "cpu"
+    enable_kv_events: bool = Field(True, description=(
+        "Publish the prefix cache's block events to the registry (KV-aware routing)."))
+    kv_cache_memory: str | None = Field(None, description="KV cache size, e.g. 512MiB.")
+    preemption_mode: Literal["recompute", "swap"] = Field("recompute", description=(
+        "When KV blocks run out: recompute a preempted request later, or swap its KV to a CPU pool."))
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = Field("auto", description="Attention kernels.")
+    device: str = Field("cpu", description="cpu|cuda.")
     # vLLM's speculative_config as JSON text, e.g. '{"method": "ngram", "num_speculative_tokens": 4}' (decode pods)
-    speculative_config: str | None = None
+    speculative_config: str | None = Field(None, description=(
+        'Speculative decoding (decode pods), vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.'))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
