@@ -37,10 +37,39 @@ PARAGRAPHS = [
 ]
 
 
+def write_truncated_model(src, dst, num_layers: int) -> str:
+    """Write a draft model for tests and this benchmark: the checkpoint in directory ``src`` cut to its first
+    ``num_layers`` decoder layers (embeddings, final norm and head kept; same tokenizer files), as a HF
+    directory at ``dst`` that the real loader reads. Returns ``str(dst)``."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    keep = {f"model.layers.{i}." for i in range(num_layers)}
+    for path in src.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({n: t.contiguous() for n, t in tensors.items()
+                   if not n.startswith("model.layers.") or any(n.startswith(k) for k in keep)},
+                  dst / path.name, metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for path in src.iterdir():
+        if path.suffix != ".safetensors" and path.name != "config.json" and path.is_file():
+            (dst / path.name).write_bytes(path.read_bytes())
+    return str(dst)
+
+
 def copy_prompts(tokenizer, n: int) -> list[list[int]]:
-    return [tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Repeat this text exactly, word for word:\n\n" + PARAGRAPHS[i % len(PARAGRAPHS)]}],
-        add_generation_prompt=True) for i in range(n)]
+    out = []
+    for i in range(n):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Repeat this text exactly, word for word:\n\n" + PARAGRAPHS[i % len(PARAGRAPHS)]}],
+            add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # transformers 5: a BatchEncoding
+    return out
 
 
 def random_prompts(n: int, vocab: int, length: int = 64, seed: int = 0) -> list[list[int]]:
@@ -82,6 +111,20 @@ def _median_runs(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
+def _format_row(row: dict) -> str:
+    plain = row["plain"]
+    text = (f"{row['workload']:6s} batch {row['batch']:3d}: plain {plain['tok_s']:7.1f} tok/s (TPOT "
+            f"{plain['tpot_ms']:6.1f} ms, {plain['tok_per_cpu_s']:6.1f} tok/CPU-s)")
+    for mode in ("spec", "fixed"):
+        if mode in row:
+            r = row[mode]
+            row[f"speedup_{mode}"] = r["tok_s"] / plain["tok_s"]
+            text += (f"  {mode} {r['tok_s']:7.1f} tok/s (TPOT {r['tpot_ms']:6.1f} ms, {r['tok_per_cpu_s']:6.1f} "
+                     f"tok/CPU-s) x{row[f'speedup_{mode}']:.2f} (TPOT x{plain['tpot_ms'] / r['tpot_ms']:.2f}, per CPU-s x{r['tok_per_cpu_s'] / plain['tok_per_cpu_s']:.2f}) "
+                     f"accept {r['acceptance_rate']:.2f} mean len {r['mean_accepted_length']:.2f}")
+    return text + f"  load {row['load_avg']:.1f}"
+
+
 @click.command("spec")
 @click.option("--model", default=MODEL, show_default=True)
 @click.option("--dtype", default="bfloat16", show_default=True)
@@ -90,13 +133,19 @@ def _median_runs(runs: list[dict]) -> dict:
 @click.option("--output-len", type=int, default=64, show_default=True)
 @click.option("--repeats", type=int, default=2, show_default=True, help="Turns per (workload, batch, mode).")
 @click.option("--speculative-config", default=DEFAULT_SPEC, show_default=True)
+@click.option("--compare-fixed-k", is_flag=True,
+              help="Also run the same config with \"adaptive\": false (the adaptive policy's effect).")
 @click.option("--output-json", default=None, help="Write the results here.")
-def spec_command(model, dtype, batch_sizes, workloads, output_len, repeats, speculative_config, output_json):
+def spec_command(model, dtype, batch_sizes, workloads, output_len, repeats, speculative_config, compare_fixed_k,
+                 output_json):
     """Decode tok/s and TPOT with and without speculative decoding (copy vs random prompts)."""
     from pdserve import LLM
 
     engines = {"plain": LLM(model, dtype=dtype, max_model_len=1024),
                "spec": LLM(model, dtype=dtype, max_model_len=1024, speculative_config=speculative_config)}
+    if compare_fixed_k:
+        fixed = {**json.loads(speculative_config), "adaptive": False}
+        engines["fixed"] = LLM(model, dtype=dtype, max_model_len=1024, speculative_config=fixed)
     tok = engines["plain"].get_tokenizer()
     vocab = engines["plain"].llm_engine.vocab_size
     for llm in engines.values():  # warm-up
@@ -106,19 +155,14 @@ def spec_command(model, dtype, batch_sizes, workloads, output_len, repeats, spec
     for workload in workloads.split(","):
         for batch in (int(b) for b in batch_sizes.split(",")):
             prompts = copy_prompts(tok, batch) if workload == "copy" else random_prompts(batch, vocab)
-            runs = {"plain": [], "spec": []}
+            runs = {mode: [] for mode in engines}
             for _ in range(repeats):
                 for mode, llm in engines.items():
                     runs[mode].append(run_once(llm, prompts, output_len))
-            plain, spec = _median_runs(runs["plain"]), _median_runs(runs["spec"])
-            row = {"workload": workload, "batch": batch, "plain": plain, "spec": spec,
-                   "speedup": spec["tok_s"] / plain["tok_s"], "load_avg": os.getloadavg()[0]}
+            row = {"workload": workload, "batch": batch, "load_avg": os.getloadavg()[0],
+                   **{mode: _median_runs(r) for mode, r in runs.items()}}
             rows.append(row)
-            click.echo(f"{workload:6s} batch {batch:3d}: plain {plain['tok_s']:7.1f} tok/s (TPOT {plain['tpot_ms']:6.1f} ms, "
-                       f"{plain['tok_per_cpu_s']:6.1f} tok/CPU-s)  spec {spec['tok_s']:7.1f} tok/s (TPOT "
-                       f"{spec['tpot_ms']:6.1f} ms, {spec['tok_per_cpu_s']:6.1f} tok/CPU-s)  x{row['speedup']:.2f}  "
-                       f"accept {spec['acceptance_rate']:.2f} mean len {spec['mean_accepted_length']:.2f}  "
-                       f"load {row['load_avg']:.1f}")
+            click.echo(_format_row(row))
     if output_json:
         with open(output_json, "w") as f:
             json.dump(rows, f, indent=2)

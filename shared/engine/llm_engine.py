@@ -31,6 +31,7 @@ from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import Sampler, SamplingMetadata, advance_generator
 from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler
+from pdserve.shared.engine.spec_decode.draft_model import DraftModelProposer
 from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder, split_logits_rows
 from pdserve.shared.engine.stats import EngineCounters, kv_and_scheduler_stats
 from pdserve.shared.engine.swap import SwapManager
@@ -72,8 +73,10 @@ class LLMEngine:
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer, self.model_dir)
-        self.spec = None if config.speculative_config is None else SpecDecoder(
-            config.speculative_config, self.sampler.generator, self.eos_token_ids, self.vocab_size, self.max_model_len)
+        sc = config.speculative_config
+        draft = DraftModelProposer.load(self, sc.model) if sc is not None and sc.method == "draft_model" else None
+        self.spec = None if sc is None else SpecDecoder(
+            sc, self.sampler.generator, self.eos_token_ids, self.vocab_size, self.max_model_len, draft)
         self.input = InputProcessor(self.vocab_size, self.max_model_len, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.prefill_export = PrefillExport(self.scheduler, self.kv_manager, self.kv_cache)
@@ -158,6 +161,8 @@ class LLMEngine:
             self.kv_cache.swap_out(out.blocks_to_swap_out)
             return []
         self.stats.count_scheduled(out)
+        if self.spec is not None:
+            self.spec.fill_drafts(out)  # a draft model proposes into the slots just allocated
         logits, prompt_logits = self.runner.execute_model(out)
         for chunk in prompt_logits:
             self.output.record_prompt_logprobs(chunk)

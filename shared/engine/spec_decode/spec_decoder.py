@@ -2,8 +2,11 @@
 
 Before ``Scheduler.schedule`` it sets ``spec_token_ids`` on every decoding request (``num_computed_tokens
 == num_tokens - 1``): up to k proposals, trimmed so that positions stay below ``max_model_len`` and no
-more than ``max_tokens`` can be emitted. After the forward pass it verifies each request's rows with the
-``RejectionSampler``, appends the tokens it accepts, rolls the rest back (``verify_and_append``) and keeps vLLM's counters (``spec_decode_num_drafts``, ``..._num_draft_tokens``,
+more than ``max_tokens`` can be emitted. The n-gram proposer fills them there; the draft model needs the
+slots the scheduler allocates, so it gets k placeholders and ``fill_drafts`` (after scheduling, before the
+target's pass) overwrites the ones the scheduler kept with the draft model's guesses. After the forward pass
+it verifies each request's rows with the ``RejectionSampler``, appends the tokens it accepts, rolls the rest
+back (``verify_and_append``) and keeps vLLM's counters (``spec_decode_num_drafts``, ``..._num_draft_tokens``,
 ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``).
 """
 
@@ -15,7 +18,9 @@ import torch
 
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
 from pdserve.shared.engine.request import Request
+from pdserve.shared.engine.scheduler import SchedulerOutput
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+from pdserve.shared.engine.spec_decode.draft_model import DraftModelProposer
 from pdserve.shared.engine.spec_decode.ngram_proposer import NgramProposer
 from pdserve.shared.engine.spec_decode.policy import SpecPolicy
 from pdserve.shared.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyOutput, spec_metadata
@@ -43,13 +48,16 @@ def split_logits_rows(sampling: Sequence[Request], spec_token_ids: dict[str, lis
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, generator: torch.Generator, eos_token_ids: frozenset[int],
-                 vocab_size: int, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method {config.method!r} is not supported by this engine yet "
-                             "(only 'ngram')")
+                 vocab_size: int, max_model_len: int, draft: DraftModelProposer | None = None) -> None:
+        """``draft``: the loaded draft model (``DraftModelProposer.load``), required for method draft_model."""
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError(f"speculative_config.method {config.method!r} needs a draft model exactly when it is "
+                             "'draft_model'")
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if draft is None else None
+        self.draft = draft
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.policy = SpecPolicy(self.k, config.adaptive, config.disable_by_batch_size)
         self.rejection_sampler = RejectionSampler(generator)
         self.eos_token_ids = eos_token_ids
@@ -74,14 +82,26 @@ class SpecDecoder:
                     request.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens - 1)
             if k > 0:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+                request.spec_token_ids = [0] * k if self.draft else self.proposer.propose(request.all_token_ids, k)
                 budget -= len(request.spec_token_ids)
+
+    def fill_drafts(self, out: SchedulerOutput) -> None:
+        """Draft model only: replace the placeholders the scheduler kept (in ``out.spec_token_ids``, the same
+        lists as the requests') with the draft model's guesses, keeping ``q`` for ``verify``."""
+        self._draft_probs = {}
+        if self.draft is None or not out.spec_token_ids:
+            return
+        requests = [r for r, _ in out.scheduled if r.request_id in out.spec_token_ids]
+        drafts = [out.spec_token_ids[r.request_id] for r in requests]
+        for r, q in zip(requests, self.draft.propose(requests, drafts)):
+            self._draft_probs[r.request_id] = q
 
     def verify(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[list[int]]) -> VerifyOutput:
         """``logits``: ``[sum(len(d) + 1), V]``, request i's rows in order. Returns tokens to append per request."""
         md = spec_metadata([r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
                            [r.output_token_ids for r in requests], drafts, self.eos_token_ids, self.vocab_size)
-        result = self.rejection_sampler(logits, drafts, md, [r.generator for r in requests])
+        result = self.rejection_sampler(logits, drafts, md, [r.generator for r in requests],
+                                        [self._draft_probs.get(r.request_id) for r in requests])
         for request, draft, accepted in zip(requests, drafts, result.num_accepted):
             self.policy.record(request.request_id, len(draft), accepted)
             self.num_drafts += 1
