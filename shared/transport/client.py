@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -47,16 +48,22 @@ class KVTransferClient:
 
     ``bytes_sent`` (KV payload bytes) and ``seconds`` (time spent in ``send_blocks``) accumulate
     over the connection's life.
+
+    A frame unanswered for ``request_timeout_s`` fails (``timed_out``) unless ``peer_alive(host, port)`` says the
+    pod is still alive (its registry heartbeat is fresh): a live pod whose engine is busy (a long step on a loaded
+    CPU: reserve and commit run between its steps) is waited for, another ``request_timeout_s`` at a time.
     """
 
     def __init__(
         self, host: str, port: int, layout: KVLayout, secret: str | bytes, *,
         connect_timeout_s: float = 10.0, request_timeout_s: float = 60.0, limits: FrameLimits | None = None,
+        peer_alive: Callable[[str, int], Awaitable[bool]] | None = None,
     ) -> None:
         self.host, self.port, self.layout = host, port, layout
         self._secret = secret_bytes(secret)
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
+        self.peer_alive = peer_alive
         self.limits = limits or FrameLimits()
         self._reader: FrameConnection | None = None
         self._writer: FrameConnection | None = None
@@ -148,12 +155,7 @@ class KVTransferClient:
             for i in range(0, blocks.shape[0], per_frame):
                 frame = Blocks.from_tensor(request_id, first_block_index + i, blocks[i:i + per_frame])
                 futures.append(await self._send(frame))
-            try:
-                replies = await asyncio.wait_for(asyncio.gather(*futures), self.request_timeout_s)
-            except (asyncio.TimeoutError, TimeoutError):
-                raise KVTransferError(
-                    f"{self.peer} did not acknowledge blocks of {request_id} within {self.request_timeout_s:g} s",
-                    timed_out=True) from None
+            replies = await self._answer(asyncio.gather(*futures), f"blocks of {request_id}", "acknowledge")
         finally:
             for f in futures:
                 if not f.done():
@@ -180,12 +182,28 @@ class KVTransferClient:
 
     async def _call(self, frame: Frame, reply_type: type):
         fut = await self._send(frame)
+        return self._expect_type(await self._answer(fut, frame.TYPE), reply_type)
+
+    async def _answer(self, fut: asyncio.Future, what: str, verb: str = "answer"):
+        """``fut``'s result. Past each ``request_timeout_s`` without it, ``peer_alive`` decides: a live pod is waited
+        for again, otherwise (or with no ``peer_alive``) :class:`KVTransferError` (``timed_out``). ``fut`` is
+        cancelled when it is given up."""
+        waited = 0.0
         try:
-            reply = await asyncio.wait_for(fut, self.request_timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise KVTransferError(f"{self.peer} did not answer {frame.TYPE} within {self.request_timeout_s:g} s",
-                                  timed_out=True) from None
-        return self._expect_type(reply, reply_type)
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=self.request_timeout_s)
+                if done:
+                    return fut.result()
+                waited += self.request_timeout_s
+                if self.peer_alive is None or not await self.peer_alive(self.host, self.port):
+                    stale = " and its heartbeat stopped" if self.peer_alive is not None else ""
+                    raise KVTransferError(f"{self.peer} did not {verb} {what} within {waited:g} s{stale}",
+                                          timed_out=True)
+                log.info("KV-transfer peer %s has not answered %s for %g s; its heartbeat is fresh: waiting",
+                         self.peer, what, waited)
+        finally:
+            if not fut.done():
+                fut.cancel()
 
     def _expect_type(self, reply: Frame, reply_type: type):
         if not isinstance(reply, reply_type):
