@@ -14,14 +14,18 @@ class PrefillSettings(WorkerSettings):
     # an entry idle this long in another consumer's pending list is taken over (that consumer died)
     claim_idle_s: float = Field(60.0, description="Take over entries idle this long (s).")
     # A decode pod with no free KV blocks: the finished prefill waits here (its KV exported, this pod's own blocks
-    # freed) in a first-come-first-served line per decode pod for up to this long, then fails with 503 (s; keep it
-    # below the router's --request-timeout-s, which ends a request silent for that long).
-    kv_wait_timeout_s: float = Field(480.0, description=(
-        "Seconds a finished prefill waits for a full decode pod's KV blocks before 503."))
-    # The longest a decode pod may take to accept and answer the KV-transfer handshake, or to answer any frame;
-    # past it the pod counts as unreachable (s).
+    # freed) in a first-come-first-served line per decode pod until blocks free up -- as vLLM's waiting queue, with
+    # no time limit -- or the request's own deadline passes, or (when set) this long has passed; then 503. The client
+    # going away ends the wait at once (abort). Keep-alive events (shared/worker/keepalive.py) keep the request alive
+    # toward the router meanwhile.
+    kv_wait_timeout_s: float = Field(0.0, ge=0, description=(
+        "Seconds a finished prefill may wait for a full decode pod's KV blocks before 503 (0 = no limit: it waits, "
+        "as in vLLM's queue, until blocks free up or the client leaves)."))
+    # The longest a decode pod may take to accept and answer the KV-transfer handshake; past it the pod counts as
+    # unreachable. A frame unanswered this long fails too, but only once the pod's registry heartbeat has stopped: a
+    # live pod busy with long steps is waited for (s).
     kv_transfer_timeout_s: float = Field(20.0, description=(
-        "Seconds a decode pod may take to answer the KV handshake or a frame."))
+        "Seconds a decode pod may take to answer the KV handshake, or a frame once its registry heartbeat stopped."))
     # How long routers avoid a decode pod whose KV transfer timed out or broke (unless a transfer to it succeeds
     # again first) (s).
     kv_unreachable_cooldown_s: float = Field(30.0, description=(

@@ -23,7 +23,8 @@ from redis.exceptions import RedisError
 from pdserve.shared.engine.llm_engine import RequestRejected
 from pdserve.shared.logs import logging_request, request_id
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
+from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, OutputEvent, PrefillRequest
+from pdserve.shared.registry_client import RegistryError
 from pdserve.shared.streams import ensure_group, is_nogroup
 from pdserve.shared.transport.client import KVTransferClient, KVTransferError
 from pdserve.shared.transport.frames import Commit, Reserve
@@ -55,15 +56,16 @@ class PrefillWorker(Worker):
         # decode pod (host, port) -> FIFO line of finished prefills waiting for its free KV blocks
         self._kv_lines: dict[tuple[str, int], asyncio.Lock] = {}
         self._kv_waiting: dict[str, asyncio.Task] = {}  # request id -> its transfer, while it waits for blocks
+        self._handing_over: set[str] = set()  # request ids whose transfer runs (the router hears nothing meanwhile)
         self.waiting_kv_bytes = 0  # exported KV of transfers not finished yet
 
     async def start_role(self) -> None:
         t = self.settings.kv_transfer_timeout_s
         self.clients = KVClientPool(self.kv_layout(), self.settings.kv_transfer_secret, connect_timeout_s=t,
-                                    request_timeout_s=t)
+                                    request_timeout_s=t, peer_alive=self._decode_pod_alive)
         await self._ensure_group()
         self.tasks += [asyncio.create_task(self._consume()), asyncio.create_task(self._reclaim()),
-                       asyncio.create_task(self._touch_loop())]
+                       asyncio.create_task(self._touch_loop()), asyncio.create_task(self._keepalive_loop())]
 
     async def _ensure_group(self) -> bool:
         return await ensure_group(self.redis, keys.PREFILL_STREAM, keys.PREFILL_GROUP)
@@ -164,6 +166,33 @@ class PrefillWorker(Worker):
                                     justid=True)
         except (RedisError, OSError) as exc:
             logger.warning("XCLAIM of held entries failed: %s", exc)
+
+    async def _keepalive_loop(self) -> None:
+        """Every ``kv_wait_keepalive_s``: a keep-alive event (``OutputEvent.keepalive``) to each request whose
+        hand-over is still running, so its silence toward the router (a wait for blocks can last minutes under
+        load) is not taken for a lost request."""
+        while True:
+            await asyncio.sleep(self.settings.kv_wait_keepalive_s)
+            if not self._handing_over:
+                continue
+            events = [OutputEvent(rid, keepalive=True) for rid in self._handing_over]
+            try:
+                await publish(self.writer, self.redis, events, retry_s=0.0)
+            except (RedisError, OSError) as exc:  # the next round tries again
+                logger.warning("writing %d keep-alive events failed: %s", len(events), exc)
+            except Exception:  # this loop keeps waiting requests alive: it must not die
+                logger.exception("writing keep-alive events failed")
+
+    async def _decode_pod_alive(self, host: str, kv_port: int) -> bool:
+        """Whether a decode pod with this KV address is in the registry (its heartbeat is fresh: the registry drops
+        a pod ``--pod-ttl-s`` after its last beat, and a pod's beats stop when its engine is stuck). An unreachable
+        registry is no evidence of life."""
+        try:
+            pods = await self.registry.list_pods("decode")
+        except (RegistryError, OSError) as exc:
+            logger.warning("asking the registry whether decode pod %s:%d is alive failed: %s", host, kv_port, exc)
+            return False
+        return any(p.host == host and p.kv_port == kv_port for p in pods)
 
     async def _ack(self, msg_id, retry_s: float = 60.0) -> None:
         """XACK + XDEL, retried with backoff while Redis is away (an entry left pending would be reclaimed and
@@ -271,21 +300,23 @@ class PrefillWorker(Worker):
     # KV transfer
     async def _reserve(self, client: KVTransferClient, req: PrefillRequest, msg: Reserve):
         """The decode pod's reservation. While it is full, wait in this pod's first-come-first-served line for
-        it (only the line's head asks again, backing off to 1 s) for up to ``kv_wait_timeout_s``; then 503."""
+        it (only the line's head asks again, backing off to 1 s) until it has room, or until ``_wait_limit`` (the
+        request's deadline, ``kv_wait_timeout_s``; none by default): then 503. The router hears keep-alive events
+        meanwhile (``_keepalive_loop``); an abort cancels the wait."""
         key = (req.decode_host, req.decode_kv_port)
         line = self._kv_lines.setdefault(key, asyncio.Lock())
         if not line.locked():
             reply = await client.reserve(msg)
             if not reply.full:
                 return reply
-        rid, timeout = req.request_id, self.settings.kv_wait_timeout_s
+        rid, limit = req.request_id, self._wait_limit(req)
         started = time.monotonic()
         self._kv_waiting[rid] = asyncio.current_task()
-        logger.info("decode pod %s has no free KV blocks for request %s: waiting (up to %g s)",
-                    req.decode_pod_id, rid, timeout)
+        logger.info("decode pod %s has no free KV blocks for request %s: waiting in line%s", req.decode_pod_id, rid,
+                    "" if limit is None else f" (up to {limit[0]:.0f} s: {limit[1]})")
         try:
             try:
-                await asyncio.wait_for(line.acquire(), timeout)
+                await asyncio.wait_for(line.acquire(), None if limit is None else limit[0])
             except (asyncio.TimeoutError, TimeoutError):
                 pass
             else:
@@ -297,16 +328,25 @@ class PrefillWorker(Worker):
                             logger.info("request %s got its KV blocks on %s after waiting %.1f s", rid,
                                         req.decode_pod_id, time.monotonic() - started)
                             return reply
-                        if time.monotonic() - started + pause > timeout:
+                        if limit is not None and time.monotonic() - started + pause > limit[0]:
                             break
                         await asyncio.sleep(pause)
                         pause = min(2 * pause, 1.0)
                 finally:
                     line.release()
-            raise KVTransferError(f"decode pod {req.decode_pod_id} had no free KV blocks for {timeout:g} s "
-                                  f"(--kv-wait-timeout-s)")
+            raise KVTransferError(f"decode pod {req.decode_pod_id} had no free KV blocks for "
+                                  f"{time.monotonic() - started:.0f} s ({limit[1]})")
         finally:
             self._kv_waiting.pop(rid, None)
+
+    def _wait_limit(self, req: PrefillRequest) -> tuple[float, str] | None:
+        """How long ``req`` may still wait for decode KV blocks (s) and what sets that, or None (no limit)."""
+        limits = []
+        if self.settings.kv_wait_timeout_s:
+            limits.append((self.settings.kv_wait_timeout_s, "--kv-wait-timeout-s"))
+        if req.deadline is not None:
+            limits.append((max(0.0, req.deadline - time.time()), "the request's deadline"))
+        return min(limits) if limits else None
 
     async def _mark(self, req: PrefillRequest, why: str | None) -> None:
         """Tell routers the decode pod's KV port failed (``why``), or works again (None)."""
@@ -331,6 +371,7 @@ class PrefillWorker(Worker):
         started = time.perf_counter()
         held = kv.numel() * kv.element_size()
         self.waiting_kv_bytes += held
+        self._handing_over.add(rid)
         try:
             client = await self.clients.get(req.decode_host, req.decode_kv_port)
             kv_tokens = req.prompt_token_ids + req.output_token_ids  # a resumed request's output has KV too
@@ -374,6 +415,7 @@ class PrefillWorker(Worker):
                              "ServiceUnavailableError")
         finally:
             self.waiting_kv_bytes -= held
+            self._handing_over.discard(rid)
 
 
 def describe(exc: BaseException) -> str:

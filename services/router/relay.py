@@ -8,6 +8,8 @@ reading are not lost.
   * events are deduplicated by their cumulative ``completion_tokens``: a prefill worker that died after
     emitting the first token has its queue entry reclaimed by another, which emits that token again —
     the client gets it once;
+  * a keep-alive event (``OutputEvent.keepalive``: the request waits for a decode pod's KV blocks) counts as output
+    for the silence bounds (``idle_timeout_s``, ``stall_s``) and is not relayed;
   * a choice whose output stalls (no event for ``stall_s``) while it still has a queue entry is asked about
     (``prefill_watch.py``): a prefill worker that stopped touching it, or an entry Redis lost, moves it; so does
     a decode pod that, alive, no longer holds a choice silent for the watch's ``stall_s``;
@@ -184,6 +186,8 @@ class OutputRelay:
                     except MessageError as exc:
                         logger.error("bad output event on %s: %s", name, exc)
                         raise OpenAIError(500, "A worker sent an unreadable output event") from exc
+                    if event.keepalive:  # the request waits for its hand-over: alive, nothing to send
+                        continue
                     if event.error is not None and is_retryable(event.error):
                         await self.redis.delete(name)
                         if await self._try_migrate(index, route, "worker error: " + str(event.error.get("message")),

@@ -155,7 +155,9 @@ class OutputEvent:
     ``num_cached_tokens`` is the prompt's prefix-cache hit on the prefill side. ``prompt_logprobs`` (requests
     whose sampling params ask for them; on the event of the pod that computed the prompt, with its first token):
     per prompt token ``None`` for the first, then ``[[token_id, logprob, rank], ...]``, the prompt token first,
-    then the most likely tokens at that position.
+    then the most likely tokens at that position. ``keepalive``: an event that carries nothing but "still alive,
+    waiting" (a prefill pod writes one every few seconds while the request waits for its hand-over to a decode
+    pod); it resets the router's silence bound and nothing else.
     """
 
     request_id: str
@@ -171,6 +173,7 @@ class OutputEvent:
     first_token_time: float | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[list[list] | None] | None = None
+    keepalive: bool = False
 
     @property
     def finished(self) -> bool:

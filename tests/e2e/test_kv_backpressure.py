@@ -1,5 +1,6 @@
-"""A decode pod that cannot take a request right now: its KV cache is full (issue 12 item 1), or its KV port
-accepts connections and never answers (item 10). Real processes: ``pdserve up`` (redis-server, registry,
+"""A decode pod that cannot take a request right now: its KV cache is full (issue 12 item 1: requests wait in line
+for blocks, kept alive toward the router however long the wait, and complete), or its KV port accepts connections
+and never answers (item 10). Real processes: ``pdserve up`` (redis-server, registry,
 router, one prefill and one decode worker, the real model) with the decode pod's KV pool shrunk so that a
 handful of concurrent requests oversubscribe it, and a real TCP server that accepts and stays silent,
 registered as a second decode pod.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -35,7 +37,12 @@ ENV = {
     "PDSERVE_KV_TRANSFER_TIMEOUT_S": "3",
     "PDSERVE_KV_UNREACHABLE_COOLDOWN_S": "600",
     "PDSERVE_MIGRATION_STALL_S": "1",
+    # The router ends a request silent for this long (600 s by default). The requests at the back of the line wait
+    # for decode blocks longer than that: only the prefill pod's keep-alive events (every 1 s here) keep them alive.
+    "PDSERVE_REQUEST_TIMEOUT_S": "6",
+    "PDSERVE_KV_WAIT_KEEPALIVE_S": "1",
 }
+SILENCE_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +105,9 @@ def test_a_full_decode_kv_cache_makes_requests_wait_not_fail(ensemble, offline, 
     # the pool really was oversubscribed: requests waited for blocks on the prefill pod
     log = (ensemble.log_dir / "prefill-0.log").read_text()
     assert "has no free KV blocks for request" in log and "got its KV blocks" in log
+    # ... for longer than the router's silence bound: without keep-alives those requests would have got 504
+    waits = [float(w) for w in re.findall(r"got its KV blocks on \S+ after waiting ([0-9.]+) s", log)]
+    assert max(waits) > SILENCE_S, waits
     # and everything was given back: no reservation, no request, no block left on the decode pod
     deadline = time.monotonic() + 30
     while True:
