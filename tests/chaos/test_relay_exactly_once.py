@@ -110,3 +110,28 @@ def test_relay_times_out_with_504_when_nothing_arrives(redis_url):
         await redis.aclose()
 
     run(scenario())
+
+
+def test_keepalive_events_hold_off_the_silence_bound_and_reach_no_client(redis_url):
+    """A request waiting for decode KV blocks (issue 12 item 1): its first token, then only keep-alive events for
+    three times the relay's silence bound, then the rest. Nothing times out and the client gets exactly the tokens."""
+    async def scenario():
+        redis = Redis.from_url(redis_url)
+        writer = OutputWriter(redis)
+
+        async def worker():
+            await writer.write(ev("w", [10], 1))
+            for _ in range(15):  # 1.5 s of keep-alives against a 0.5 s silence bound
+                await asyncio.sleep(0.1)
+                await writer.write(OutputEvent("w", keepalive=True))
+            await writer.write(ev("w", [11], 2))
+            await writer.write(ev("w", [12], 3, "length"))
+
+        task = asyncio.create_task(worker())
+        got = [e async for _, e in OutputRelay(redis, [ChoiceRoute("w")], 0.5, block_ms=100)]
+        await task
+        assert [(e.token_ids, e.completion_tokens) for e in got] == [([10], 1), ([11], 2), ([12], 3)]
+        assert got[-1].finish_reason == "length"
+        await redis.aclose()
+
+    run(scenario())
