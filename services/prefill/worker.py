@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from pdserve.shared.engine.llm_engine import RequestRejected
 from pdserve.shared.logs import logging_request, request_id
 from pdserve.shared.protocol import keys
-from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, OutputEvent, PrefillRequest
+from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
 from pdserve.shared.registry_client import RegistryError
 from pdserve.shared.streams import ensure_group, is_nogroup
 from pdserve.shared.transport.client import KVTransferClient, KVTransferError
@@ -56,7 +56,6 @@ class PrefillWorker(Worker):
         # decode pod (host, port) -> FIFO line of finished prefills waiting for its free KV blocks
         self._kv_lines: dict[tuple[str, int], asyncio.Lock] = {}
         self._kv_waiting: dict[str, asyncio.Task] = {}  # request id -> its transfer, while it waits for blocks
-        self._handing_over: set[str] = set()  # request ids whose transfer runs (the router hears nothing meanwhile)
         self.waiting_kv_bytes = 0  # exported KV of transfers not finished yet
 
     async def start_role(self) -> None:
@@ -65,7 +64,7 @@ class PrefillWorker(Worker):
                                     request_timeout_s=t, peer_alive=self._decode_pod_alive)
         await self._ensure_group()
         self.tasks += [asyncio.create_task(self._consume()), asyncio.create_task(self._reclaim()),
-                       asyncio.create_task(self._touch_loop()), asyncio.create_task(self._keepalive_loop())]
+                       asyncio.create_task(self._touch_loop())]
 
     async def _ensure_group(self) -> bool:
         return await ensure_group(self.redis, keys.PREFILL_STREAM, keys.PREFILL_GROUP)
@@ -166,22 +165,6 @@ class PrefillWorker(Worker):
                                     justid=True)
         except (RedisError, OSError) as exc:
             logger.warning("XCLAIM of held entries failed: %s", exc)
-
-    async def _keepalive_loop(self) -> None:
-        """Every ``kv_wait_keepalive_s``: a keep-alive event (``OutputEvent.keepalive``) to each request whose
-        hand-over is still running, so its silence toward the router (a wait for blocks can last minutes under
-        load) is not taken for a lost request."""
-        while True:
-            await asyncio.sleep(self.settings.kv_wait_keepalive_s)
-            if not self._handing_over:
-                continue
-            events = [OutputEvent(rid, keepalive=True) for rid in self._handing_over]
-            try:
-                await publish(self.writer, self.redis, events, retry_s=0.0)
-            except (RedisError, OSError) as exc:  # the next round tries again
-                logger.warning("writing %d keep-alive events failed: %s", len(events), exc)
-            except Exception:  # this loop keeps waiting requests alive: it must not die
-                logger.exception("writing keep-alive events failed")
 
     async def _decode_pod_alive(self, host: str, kv_port: int) -> bool:
         """Whether a decode pod with this KV address is in the registry (its heartbeat is fresh: the registry drops
@@ -302,7 +285,7 @@ class PrefillWorker(Worker):
         """The decode pod's reservation. While it is full, wait in this pod's first-come-first-served line for
         it (only the line's head asks again, backing off to 1 s) until it has room, or until ``_wait_limit`` (the
         request's deadline, ``kv_wait_timeout_s``; none by default): then 503. The router hears keep-alive events
-        meanwhile (``_keepalive_loop``); an abort cancels the wait."""
+        meanwhile (``shared/worker/keepalive.py``); an abort cancels the wait."""
         key = (req.decode_host, req.decode_kv_port)
         line = self._kv_lines.setdefault(key, asyncio.Lock())
         if not line.locked():
@@ -371,7 +354,6 @@ class PrefillWorker(Worker):
         started = time.perf_counter()
         held = kv.numel() * kv.element_size()
         self.waiting_kv_bytes += held
-        self._handing_over.add(rid)
         try:
             client = await self.clients.get(req.decode_host, req.decode_kv_port)
             kv_tokens = req.prompt_token_ids + req.output_token_ids  # a resumed request's output has KV too
@@ -415,7 +397,6 @@ class PrefillWorker(Worker):
                              "ServiceUnavailableError")
         finally:
             self.waiting_kv_bytes -= held
-            self._handing_over.discard(rid)
 
 
 def describe(exc: BaseException) -> str:

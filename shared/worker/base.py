@@ -28,6 +28,7 @@ from pdserve.shared.transport.layout import KVLayout
 from pdserve.shared.worker.engine_thread import EngineThread
 from pdserve.shared.worker.events import UnpublishableOutput, error_event, publish, to_event
 from pdserve.shared.worker.heartbeat import Heartbeater
+from pdserve.shared.worker.keepalive import keepalive_loop
 from pdserve.shared.worker.kv_publisher import KVEventPublisher
 from pdserve.shared.worker.metrics import WorkerMetrics
 from pdserve.shared.worker.output_writer import OutputWriter
@@ -82,7 +83,8 @@ class Worker:
                                               self.settings.pod_id, self._kv_snapshot)
             self.tasks.append(self.kv_events.start())
         await self.start_role()
-        self.tasks += [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._abort_loop())]
+        self.tasks += [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._abort_loop()),
+                       asyncio.create_task(keepalive_loop(self))]
         self.heartbeater = Heartbeater(self.registry, self.pod_info, self.settings.heartbeat_interval_s)
         try:
             await self.heartbeater.beat()  # routable before it reports healthy
@@ -136,6 +138,12 @@ class Worker:
             self._drain_kv_events()
             return self.kv_events.last_seq, self.engine.cached_block_hashes()
         return await self.engine_thread.acall(state)
+
+    def silent_requests(self, before: float) -> list[str]:
+        """Requests held here with no output event since ``before`` (unix s): preempted or queued until KV blocks
+        free up, or behind long steps. They get keep-alive events (``shared/worker/keepalive.py``)."""
+        return [rid for rid, info in self.requests.items()
+                if (info.last or info.committed or info.admitted or info.arrival_time) < before]
 
     def on_outputs_engine_thread(self, outputs) -> object:
         """Hook for work that must happen on the engine thread right after a step."""

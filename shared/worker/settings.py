@@ -42,6 +42,11 @@ class WorkerSettings(ServiceSettings):
     # step: a long prefill on a loaded CPU is slow, not stuck.
     engine_stall_s: float = Field(300.0, gt=0, description=(
         "An engine with no finished step for this long counts as stuck: no heartbeat, /health 503 (s)."))
+    # A request this worker holds with no output for this long gets a keep-alive event on its output stream
+    # (shared/worker/keepalive.py), so the router's --request-timeout-s (a bound on silence) does not end a request
+    # that waits for KV blocks under load (s; silence lasts up to 1.5x this: keep it well below that timeout).
+    output_keepalive_s: float = Field(5.0, gt=0, description=(
+        "A request silent this long gets a keep-alive event to the router (s)."))
     log_level: str = Field("info", description="debug|info|warning|error.")
     # engine
     model: str = Field("smollm2-135m-instruct", description="Model name, HF directory or .gguf.")

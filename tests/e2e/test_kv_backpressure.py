@@ -38,9 +38,10 @@ ENV = {
     "PDSERVE_KV_UNREACHABLE_COOLDOWN_S": "600",
     "PDSERVE_MIGRATION_STALL_S": "1",
     # The router ends a request silent for this long (600 s by default). The requests at the back of the line wait
-    # for decode blocks longer than that: only the prefill pod's keep-alive events (every 1 s here) keep them alive.
+    # for decode blocks longer than that (on the prefill pod, and preempted on the decode pod): only the workers'
+    # keep-alive events (every 1 s here) keep them alive.
     "PDSERVE_REQUEST_TIMEOUT_S": "6",
-    "PDSERVE_KV_WAIT_KEEPALIVE_S": "1",
+    "PDSERVE_OUTPUT_KEEPALIVE_S": "1",
 }
 SILENCE_S = 6.0
 
