@@ -49,7 +49,9 @@ class PrefillWorker(Worker):
         # request id -> queue entry id, from delivery (XREADGROUP/XAUTOCLAIM) until it is in ``inflight``: the
         # same entry can arrive twice (our own reclaim loop) and must be admitted once, and it is ours to touch
         self._admitting: dict[str, object] = {}
-        self._delivered: set = set()  # entry ids of a delivered batch not admitted yet (touched as well)
+        # entry id -> (request id or None, when delivered) of a delivered batch not admitted yet: touched as well, and
+        # kept alive toward the router (admitting one waits for an engine step: the last of a batch waits many)
+        self._delivered: dict[object, tuple[str | None, float]] = {}
         self.clients: KVClientPool | None = None  # one connection per decode pod (made in start_role)
         self._slots = asyncio.Semaphore(settings.max_inflight)
         self.transfers: set[asyncio.Task] = set()
@@ -117,7 +119,8 @@ class PrefillWorker(Worker):
                 continue
             try:
                 for _, messages in entries or []:
-                    self._delivered.update(msg_id for msg_id, _ in messages)
+                    now = time.time()
+                    self._delivered.update({msg_id: (request_id_of(fields), now) for msg_id, fields in messages})
                     for msg_id, fields in messages:
                         await self._admit(msg_id, fields)
                 self.metrics.queue_depth.set(await self.redis.xlen(keys.PREFILL_STREAM))
@@ -166,6 +169,12 @@ class PrefillWorker(Worker):
         except (RedisError, OSError) as exc:
             logger.warning("XCLAIM of held entries failed: %s", exc)
 
+    def silent_requests(self, before: float) -> list[str]:
+        """The requests held here silent since ``before`` (``Worker.silent_requests``), and those delivered to this
+        worker but not admitted into its engine yet, delivered before ``before``."""
+        return super().silent_requests(before) + [rid for rid, at in list(self._delivered.values())
+                                                  if rid is not None and at < before]
+
     async def _decode_pod_alive(self, host: str, kv_port: int) -> bool:
         """Whether a decode pod with this KV address is in the registry (its heartbeat is fresh: the registry drops
         a pod ``--pod-ttl-s`` after its last beat, and a pod's beats stop when its engine is stuck). An unreachable
@@ -195,7 +204,7 @@ class PrefillWorker(Worker):
         try:
             await self._admit_entry(msg_id, fields)
         finally:
-            self._delivered.discard(msg_id)
+            self._delivered.pop(msg_id, None)
 
     async def _admit_entry(self, msg_id, fields) -> None:
         try:
@@ -397,6 +406,16 @@ class PrefillWorker(Worker):
                              "ServiceUnavailableError")
         finally:
             self.waiting_kv_bytes -= held
+
+
+def request_id_of(fields) -> str | None:
+    """The request id of a prefill queue entry, or None for an unreadable one (``_admit_entry`` reports it)."""
+    try:
+        return PrefillRequest.decode(fields).request_id
+    except BadSamplingParams as exc:
+        return exc.request_id
+    except Exception:  # a malformed entry: dropped with a log line by _admit_entry
+        return None
 
 
 def describe(exc: BaseException) -> str:
