@@ -92,3 +92,23 @@ def test_stop_eos_and_max_tokens_inside_an_accepted_run(prompts, plain):
                                                                          a.stop_reason), params
     stats = spec.llm_engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.slow
+def test_seeded_sampling_with_ngram_drafts_is_plain_sampling_and_resumes_exactly(prompts, plain):
+    # One-hot drafts are verified by sampling the target's token with the plain sampler's draw for that
+    # position and accepting the draft iff it matches: the seeded output is plain seeded decoding's, and a
+    # request resumed mid-speculation (its generator advanced one draw per token) continues it exactly.
+    llm_plain, _ = plain
+    spec = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=MAX_LEN, speculative_config=_ngram(3))
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=24, seed=3, ignore_eos=True)
+    want = llm_plain.generate([prompts[3]], params)[0].outputs[0].token_ids
+    assert spec.generate([prompts[3]], params)[0].outputs[0].token_ids == want
+    engine = spec.llm_engine
+    engine.add_request("resumed", prompts[3], params, output_token_ids=want[:10])
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out.outputs[0]
+    assert list(final.token_ids) == want
+    assert engine.get_stats()["spec_decode_num_accepted_tokens"] > 0

@@ -12,20 +12,22 @@ token for token what plain greedy decoding gives.
 ``p`` is what the plain sampler draws from (``sampling_probs``: after min_tokens, penalties, temperature,
 top-k/top-p/min-p); row j's penalties and min_tokens see the drafts before it as output, as they would
 if accepted. Randomness comes from the request's own ``torch.Generator`` (the seeded request's, else the
-sampler's): per request and step, k uniforms (float64) for acceptance, then one Exp(1) vector over the
-vocabulary for the final token, chosen by the exponential race ``argmax(w / E)`` (the Gumbel-max trick's
-twin: index i wins with probability ``w_i / sum(w)``). A request's draws never depend on its neighbours.
+sampler's): one Exp(1) vector over the vocabulary per emitted token, as plain sampling draws (see
+``verify_random``); tokens are chosen by the exponential race ``argmax(w / E)`` (the Gumbel-max trick's twin:
+index i wins with probability ``w_i / sum(w)``). A request's draws never depend on its neighbours.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.shared.engine import sampler as _sampler
-from pdserve.shared.engine.sampler import SampleLogprobs, SamplingMetadata, process_logits, sampling_probs
+from pdserve.shared.engine.sampler import (SampleLogprobs, SamplingMetadata, exponential_, process_logits,
+                                           sampling_probs)
 
 GREEDY_EPS = 1e-5
 
@@ -59,21 +61,36 @@ def verify_random(p: torch.Tensor, draft: Sequence[int], q: torch.Tensor | None,
                   generator: torch.Generator) -> list[int]:
     """One request's sampled verification. ``p``: ``[k+1, V]`` target probabilities (rows sum to 1);
     ``draft``: k token ids; ``q``: ``[k, V]`` draft probabilities or ``None`` (one-hot drafts).
-    Returns the emitted tokens (1..k+1). Draws k float64 uniforms, then one ``[V]`` Exp(1) vector."""
-    k = len(draft)
-    u = torch.rand(k, dtype=torch.float64, generator=generator).tolist()
-    exp = torch.empty(p.shape[1], dtype=torch.float32).exponential_(generator=generator)
+    Returns the emitted tokens (1..k+1).
+
+    Draws one ``[V]`` Exp(1) vector per emitted token, as the plain sampler does, so a seeded request's
+    generator is where ``advance_generator`` puts it after any number of tokens (a resumed request continues
+    from the right state). One-hot drafts (``q=None``): the row's token is the one plain sampling draws,
+    ``race(p[j], E_j)``, and the draft is accepted iff it equals it: the same law as accepting with ``p(d)`` and
+    recovering from ``norm(p - onehot(d))``, and token for token the plain seeded output. Drafts with ``q``:
+    accept iff ``U_j[d] < p(d) / q(d)`` with ``U_j = exp(-E_j)``; a rejection has ``p(d) < q(d)``, so the
+    residual is 0 at d and the recovery race over the other (independent) entries of ``E_j`` is exact."""
     out: list[int] = []
     for j, d in enumerate(draft):
-        pd = float(p[j, d])
-        qd = 1.0 if q is None else float(q[j, d])
-        if qd > 0 and u[j] < min(1.0, pd / qd):
+        exp = _exponential_row(p, generator)
+        if q is None:
+            token = race(p[j], exp)
+            out.append(token)
+            if token != d:
+                return out
+            continue
+        pd, qd = float(p[j, d]), float(q[j, d])
+        if qd > 0 and math.exp(-float(exp[d])) < pd / qd:
             out.append(d)
             continue
-        out.append(race(residual_probs(p[j], None if q is None else q[j], d), exp))
+        out.append(race(residual_probs(p[j], q[j], d), exp))
         return out
-    out.append(race(p[k], exp))
+    out.append(race(p[len(draft)], _exponential_row(p, generator)))
     return out
+
+
+def _exponential_row(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return exponential_(torch.empty(p.shape[1], dtype=torch.float32), generator).to(p.device)
 
 
 def verify_greedy(argmax: Sequence[int], draft: Sequence[int]) -> list[int]:
