@@ -25,9 +25,8 @@ from urllib.parse import urlparse
 
 import kubernetes_validate
 import pytest
-import yaml
 
-from chart_render import NAMESPACE, RELEASE, VALUES_FILES, by_kind, helm, load_values, render_docs
+from chart_render import NAMESPACE, RELEASE, VALUES_FILES, by_kind, helm, load_all, load_values, render_docs
 
 COMPONENT = "app.kubernetes.io/component"
 NS_NAME = "kubernetes.io/metadata.name"  # set by the API server on every namespace
@@ -255,7 +254,7 @@ CASES = [(case, egress) for case in VALUES_FILES for egress in (True, False)]
 def render(chart, values: dict, release: str = RELEASE) -> list[dict]:
     """Like chart_render.render_docs, for any release name."""
     manifests = chart.render(values, name=release, namespace=NAMESPACE, is_install=True)
-    docs = [d for path, text in manifests.items() if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
+    docs = [d for path, text in manifests.items() if not path.endswith("NOTES.txt") for d in load_all(text) if d]
     for d in docs:
         d.setdefault("metadata", {}).setdefault("namespace", NAMESPACE)
     return docs
