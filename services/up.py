@@ -162,6 +162,8 @@ class UpOptions:
     follow_logs: bool = False
     restart_workers: bool = True
     engine: dict[str, str] = field(default_factory=dict)  # PDSERVE_* engine settings to forward
+    prefill_tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int = 1
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 10.0
 
@@ -243,12 +245,14 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
     for i in range(opts.num_decode):
         http, kv = free_port(), free_port()
         env = {**common, "PDSERVE_PORT": str(http), "PDSERVE_KV_PORT": str(kv), "PDSERVE_POD_ID": f"decode-{i}",
+               "PDSERVE_TENSOR_PARALLEL_SIZE": str(opts.decode_tensor_parallel_size),
                "PDSERVE_COLOCATED": "true" if opts.colocated or opts.num_prefill == 0 else "false"}
         children.append(Child(f"decode-{i}", [*py, "decode"], env, log_dir / f"decode-{i}.log",
                               health_url=f"http://{advertise}:{http}/health"))
     for i in range(0 if opts.colocated else opts.num_prefill):
         http = free_port()
-        env = {**common, "PDSERVE_PORT": str(http), "PDSERVE_POD_ID": f"prefill-{i}"}
+        env = {**common, "PDSERVE_PORT": str(http), "PDSERVE_POD_ID": f"prefill-{i}",
+               "PDSERVE_TENSOR_PARALLEL_SIZE": str(opts.prefill_tensor_parallel_size)}
         children.append(Child(f"prefill-{i}", [*py, "prefill"], env, log_dir / f"prefill-{i}.log",
                               health_url=f"http://{advertise}:{http}/health"))
     if opts.router:
@@ -503,6 +507,10 @@ def run(opts: UpOptions) -> int:
               help="Use this Redis instead of starting one [PDSERVE_REDIS_URL or REDIS_URL].")
 @click.option("--api-key", default=None, help="Router API key(s), comma-separated [PDSERVE_API_KEY].")
 @forwarded_options
+@click.option("--prefill-tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Rank processes per prefill worker (tensor parallelism).")
+@click.option("--decode-tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Rank processes per decode worker (tensor parallelism).")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where child logs go [default: a new temporary directory, printed].")
 @click.option("--follow-logs", is_flag=True, help="Also print every child's log lines, prefixed with its name.")

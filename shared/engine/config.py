@@ -38,6 +38,8 @@ class EngineConfig:
     preemption_mode: ``recompute`` (default) or ``swap`` (to a CPU block pool of ``swap_space_bytes``).
     scheduling_policy: ``fcfs`` or ``priority`` (lower value first, then arrival; vLLM's convention).
     attention_backend: ``auto`` | ``cpu`` | ``torch`` | ``triton`` (``kernels/backend.py``).
+    tensor_parallel_size: ranks (processes) the model's heads are split over, Megatron-style; 1 runs in-process
+        (``shared/engine/tp_executor.py``).
     speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; parsed into a ``SpeculativeConfig`` (None: off).
     """
@@ -59,6 +61,7 @@ class EngineConfig:
     seed: int = 0
     enable_kv_events: bool = False
     speculative_config: dict | str | SpeculativeConfig | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
@@ -69,6 +72,7 @@ class EngineConfig:
             ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              "a power of two"),
             ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
             ("preemption_mode", self.preemption_mode in ("recompute", "swap"), "'recompute' or 'swap'"),
             ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority"), "'fcfs' or 'priority'"),

@@ -60,10 +60,17 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.backend = _attention_backend(config.attention_backend, config.device)
         self.kv_spec = KVCacheSpec.from_model_config(mc, config.block_size, self.dtype)
-        plan = plan_kv_cache(config, mc, self.kv_spec)
-        self.max_model_len = plan.max_model_len
-        self.model = load_model(self.model_dir, mc, self.backend, self.dtype, config.device, self.max_model_len)
-        self.kv_cache = KVCache(self.kv_spec, plan.num_blocks, plan.num_cpu_blocks, config.device)
+        self.tp = None  # rank 0's handle on the other ranks under tensor parallelism
+        if config.tensor_parallel_size > 1:
+            from pdserve.shared.engine.tp_executor import start_tensor_parallel
+
+            self.tp, plan = start_tensor_parallel(config, self.model_dir, mc, self.dtype, plan_kv_cache)
+            self.max_model_len, self.model, self.kv_cache = plan.max_model_len, self.tp.model, self.tp.kv_cache
+        else:
+            plan = plan_kv_cache(config, mc, self.kv_spec)
+            self.max_model_len = plan.max_model_len
+            self.model = load_model(self.model_dir, mc, self.backend, self.dtype, config.device, self.max_model_len)
+            self.kv_cache = KVCache(self.kv_spec, plan.num_blocks, plan.num_cpu_blocks, config.device)
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching,
                                          config.enable_kv_events)
         swap = SwapManager(self.kv_manager, plan.num_cpu_blocks) if plan.num_cpu_blocks else None

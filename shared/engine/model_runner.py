@@ -39,6 +39,7 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.device = device
         self.kv_caches = [kv_cache.layer(i) for i in range(kv_cache.spec.num_layers)]
+        self.tp_workers = getattr(kv_cache, "tp_workers", None)  # tensor parallelism: ranks 1..N-1 run each step too
 
     def prepare_inputs(self, out: SchedulerOutput):
         bs = self.block_size
@@ -97,6 +98,8 @@ class ModelRunner:
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         ids, pos, md, sample_rows, prompt_rows = self.prepare_inputs(out)
+        if self.tp_workers is not None:
+            self.tp_workers.step(ids, pos, md)
         hidden = self.model(ids, pos, self.kv_caches, md)
         prompt_logits = [PromptLogits(request, target, self.model.compute_logits(hidden[row:row + count]))
                          for request, row, target, count in prompt_rows]

@@ -20,6 +20,7 @@ from torch import nn
 
 from pdserve.kernels import cpu_elementwise
 from pdserve.kernels.attention_metadata import AttentionMetadata
+from pdserve.shared.models.tensor_parallel import TPShard
 
 
 class RMSNorm(nn.Module):
@@ -72,11 +73,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, backend) -> None:
+    """Self-attention over the paged cache; under tensor parallelism (``tp``) this rank's query and KV heads
+    only, its ``o_proj`` output summed over the ranks."""
+
+    def __init__(self, config, backend, tp: TPShard = TPShard()) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        self.num_heads = tp.heads(config.num_attention_heads)[1]
+        self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)[1]
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
@@ -95,7 +100,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
         o = self.backend.forward(q, k_cache, v_cache, md, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
     def forward_fused(self, x, cos_sin, positions, k_cache, v_cache, md: AttentionMetadata) -> torch.Tensor:
         """``forward`` with RoPE applied in place on the QKV projection's Q and K (one pass, no copies)."""
@@ -108,26 +113,27 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, hd)
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
         o = self.backend.forward(q, k_cache, v_cache, md, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPShard = TPShard()) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate = config.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, backend) -> None:
+    def __init__(self, config, backend, tp: TPShard = TPShard()) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, backend, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -143,7 +149,7 @@ class LlamaDecoderLayer(nn.Module):
         h = cpu_elementwise.add_rms_norm(residual, delta, self.input_layernorm.weight, eps)
         a = self.self_attn.forward_fused(h, cos_sin, positions, k_cache, v_cache, md)
         h = cpu_elementwise.add_rms_norm(residual, a, self.post_attention_layernorm.weight, eps)
-        return self.mlp.down_proj(cpu_elementwise.silu_mul(self.mlp.gate_up_proj(h)))
+        return self.mlp.tp.all_reduce(self.mlp.down_proj(cpu_elementwise.silu_mul(self.mlp.gate_up_proj(h))))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,13 +158,16 @@ class LlamaForCausalLM(nn.Module):
     ``kv_caches[l]`` is layer ``l``'s ``(k_cache, v_cache)``, each
     ``[num_blocks, block_size, num_kv_heads, head_dim]``. ``compute_logits(hidden [R, hidden_size])``
     returns ``[R, vocab_size]`` float32; the runner calls it only on the rows that sample.
+    ``tp``: this rank's shard under tensor parallelism (``shared/models/tensor_parallel.py``); then the KV caches
+    hold this rank's KV heads only, and the embedding and LM head are whole on every rank.
     """
 
-    def __init__(self, config, backend, max_positions: int) -> None:
+    def __init__(self, config, backend, max_positions: int, tp: TPShard = TPShard()) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_positions = max_positions

@@ -12,6 +12,7 @@ import os
 import torch
 
 from pdserve.shared.models.llama import LlamaForCausalLM, native_low_precision_matmul
+from pdserve.shared.models.tensor_parallel import TPShard, shard_weight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -25,11 +26,13 @@ def load_config(model_dir: str | os.PathLike):
     return config
 
 
-def load_model(model_dir, config, backend, dtype: torch.dtype, device: str, max_positions: int) -> LlamaForCausalLM:
+def load_model(model_dir, config, backend, dtype: torch.dtype, device: str, max_positions: int,
+               tp: TPShard = TPShard()) -> LlamaForCausalLM:
+    """The model with its weights; under tensor parallelism only rank ``tp.rank``'s slices (``shard_weight``)."""
     from safetensors import safe_open
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions)
+        model = LlamaForCausalLM(config, backend, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -44,7 +47,7 @@ def load_model(model_dir, config, backend, dtype: torch.dtype, device: str, max_
             for name in f.keys():
                 if "rotary_emb" in name:
                     continue
-                tensor = f.get_tensor(name)
+                tensor = shard_weight(name, f.get_tensor(name), config, tp)
                 target = name.removeprefix("model.")
                 parts = target.split(".")
                 # layers.N.self_attn.q_proj.weight -> layers.N.self_attn.qkv_proj.weight (piece 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import redis.asyncio as aioredis
@@ -36,6 +37,15 @@ from pdserve.shared.worker.settings import WorkerSettings
 from pdserve.shared.worker.tracked import Tracked
 
 logger = logging.getLogger(__name__)
+
+
+def exit_on_rank_death(error: Exception) -> None:
+    """A tensor-parallel rank died (called from the rank watchdog): no step can complete any more, so the pod exits
+    now with the reason (Kubernetes restarts it; its requests migrate as when a decode pod dies) instead of hanging
+    in a collective."""
+    logger.critical("%s: exiting", error)
+    logging.shutdown()
+    os._exit(3)
 
 
 class Worker:
@@ -75,6 +85,8 @@ class Worker:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(LLMEngine, self.settings.engine_config())
+        if self.engine.tp is not None:
+            self.engine.tp.on_death = exit_on_rank_death
         self.stats = self.engine.get_stats()
         self.engine_thread = EngineThread(self.engine, self._on_outputs, name=f"{self.role}-engine")
         self.engine_thread.start()
@@ -108,6 +120,8 @@ class Worker:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.engine_thread is not None:
             await asyncio.to_thread(self.engine_thread.stop)
+        if self.engine is not None and self.engine.tp is not None:
+            await asyncio.to_thread(self.engine.tp.close)
         await self.registry.aclose()
         await self.redis.aclose()
 

@@ -69,6 +69,8 @@ class WorkerSettings(ServiceSettings):
     speculative_config: str | None = Field(None, description=(
         'Speculative decoding (decode pods), vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.'))
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "Rank processes the model's heads are split over (tensor parallelism; 1: in-process)."))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -77,5 +79,5 @@ class WorkerSettings(ServiceSettings):
             enable_prefix_caching=self.enable_prefix_caching, kv_cache_memory_bytes=self.kv_cache_memory,
             preemption_mode=self.preemption_mode, attention_backend=self.attention_backend, device=self.device,
             enable_kv_events=self.enable_kv_events and self.enable_prefix_caching,
-            speculative_config=self.speculative_config,
+            speculative_config=self.speculative_config, tensor_parallel_size=self.tensor_parallel_size,
         )

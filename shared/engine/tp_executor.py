@@ -1,0 +1,272 @@
+"""Tensor parallelism inside one engine: rank 0 (the engine's own process) drives ranks 1..N-1.
+
+Rank 0 owns the one scheduler, the one ``KVCacheManager`` and the sampler. Every step it sends the step's
+inputs (token ids, positions and the attention metadata: slot mapping, block tables, lengths) to the other ranks
+and all N run the same forward pass on their own heads (``shared/models/tensor_parallel.py``), meeting in two
+all-reduces per layer. Block operations (swap out/in, KV hand-over reads and writes) are sent the same way and
+applied by every rank to its own KV heads, so all block tables agree by construction. Orders travel as pickled
+bytes over a gloo process group (CPU tensors also when the compute group is NCCL, as vLLM's CPU group does).
+
+A rank that dies closes its gloo connections: the collective rank 0 is in fails, and ``TPRankDied`` names the
+rank; a watchdog thread also notices a death between steps (``on_death``: the worker pods exit there).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import pickle
+import socket
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from pdserve.shared.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.shared.models.tensor_parallel import TPShard, check_tp_split, owner_ranks
+
+logger = logging.getLogger(__name__)
+
+# Backstop for a collective that never completes (a peer hung, not dead): rank 0 gives up after this.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PDSERVE_TP_TIMEOUT_S", "300")))
+
+
+class TPRankDied(RuntimeError):
+    """A tensor-parallel rank process exited or stopped answering; the engine cannot continue."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _groups(store, rank: int, size: int, device: str):
+    """``(control, compute)`` process groups: gloo for the orders, gloo or NCCL (on CUDA) for the all-reduces."""
+    ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), rank, size, COLLECTIVE_TIMEOUT)
+    if not device.startswith("cuda"):
+        return ctrl, ctrl
+    return ctrl, dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
+
+
+def _send(ctrl, message) -> None:
+    data = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    ctrl.broadcast([torch.tensor([data.numel()], dtype=torch.long)], dist.BroadcastOptions()).wait()
+    ctrl.broadcast([data], dist.BroadcastOptions()).wait()
+
+
+def _recv(ctrl):
+    size = torch.zeros(1, dtype=torch.long)
+    ctrl.broadcast([size], dist.BroadcastOptions()).wait()
+    data = torch.empty(int(size), dtype=torch.uint8)
+    ctrl.broadcast([data], dist.BroadcastOptions()).wait()
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _md_on(md, device):
+    """The step's attention metadata with its tensors on ``device`` (the CPU to travel, a rank's GPU to run)."""
+    from pdserve.kernels.attention_metadata import AttentionMetadata
+
+    return AttentionMetadata(md.slot_mapping.to(device), md.block_tables.to(device), md.seq_lens.to(device),
+                             md.query_start_loc.to(device), md.query_lens_cpu, md.seq_lens_cpu, md.block_size,
+                             {"qsl": md.cache["qsl"]} if "qsl" in md.cache else {})
+
+
+def rank_device(device: str, rank: int) -> str:
+    return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
+def _build_rank(config, model_dir, model_config, dtype, shard: TPShard, plan, max_model_len: int):
+    """This rank's model shard and KV cache (its KV heads only)."""
+    from pdserve.kernels.backend import get_attention_backend
+    from pdserve.shared.models.loader import load_model
+
+    device = rank_device(config.device, shard.rank)
+    backend = get_attention_backend(config.attention_backend, device)
+    model = load_model(model_dir, model_config, backend, dtype, device, max_model_len, shard)
+    spec = local_kv_spec(model_config, config.block_size, dtype, shard.size)
+    return model, KVCache(spec, plan.num_blocks, plan.num_cpu_blocks, device)
+
+
+def local_kv_spec(model_config, block_size: int, dtype, tp_size: int) -> KVCacheSpec:
+    """One rank's KV layout: its share of the KV heads (one replicated head when there are fewer than ranks)."""
+    full = KVCacheSpec.from_model_config(model_config, block_size, dtype)
+    heads = TPShard(0, tp_size).kv_heads(full.num_kv_heads)[1]
+    return KVCacheSpec(full.num_layers, heads, full.head_dim, block_size, dtype)
+
+
+def _rank_main(rank: int, size: int, port: int, config, model_dir, model_config, dtype, plan,
+               max_model_len: int) -> None:
+    """Process entry of rank ``rank`` > 0: join the groups, load the shard, then obey rank 0 until ``stop``."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    ctrl, compute = _groups(store, rank, size, config.device)
+    model, kv = _build_rank(config, model_dir, model_config, dtype, TPShard(rank, size, compute), plan, max_model_len)
+    caches = [kv.layer(i) for i in range(kv.spec.num_layers)]
+    owners = {r: (first, count) for r, first, count in owner_ranks(model_config.num_key_value_heads, size)}
+    first_head = TPShard(rank, size).kv_heads(model_config.num_key_value_heads)[0]
+    ctrl.barrier().wait()  # ready
+    with torch.inference_mode():
+        while True:
+            op, payload = _recv(ctrl)
+            if op == "step":
+                ids, pos, md = payload
+                dev = kv.kv.device
+                model(ids.to(dev), pos.to(dev), caches, md if dev.type == "cpu" else _md_on(md, dev))
+            elif op == "swap_out":
+                kv.swap_out(payload)
+            elif op == "swap_in":
+                kv.swap_in(payload)
+            elif op == "read":
+                if rank in owners:
+                    ctrl.send([kv.read_blocks(payload).cpu()], 0, 0).wait()
+            elif op == "write":
+                block_ids, data = payload
+                kv.write_blocks(block_ids, data[:, :, :, :, first_head:first_head + kv.spec.num_kv_heads])
+            elif op == "stop":
+                return
+
+
+class TPWorkers:
+    """Rank 0's handle on ranks 1..N-1: start them, send them orders, notice their death, stop them."""
+
+    def __init__(self, config, model_dir, model_config, dtype, plan, max_model_len: int) -> None:
+        size = config.tensor_parallel_size
+        self.size = size
+        port = _free_port()
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                              wait_for_workers=False)
+        # fork on CPU (vLLM's default too): a rank starts in a moment instead of importing torch and transformers
+        # again; CUDA cannot be forked once initialised, so spawn there (the caller then needs a __main__ guard)
+        ctx = multiprocessing.get_context("spawn" if config.device.startswith("cuda") else "fork")
+        self.procs = [ctx.Process(target=_rank_main, name=f"pdserve-tp-rank{r}", daemon=True,
+                                  args=(r, size, port, config, model_dir, model_config, dtype, plan, max_model_len))
+                      for r in range(1, size)]
+        for p in self.procs:
+            p.start()
+        self._closed = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self._closed, None)
+        self.ctrl, compute = self._guard(_groups, store, 0, size, config.device)
+        self.shard = TPShard(0, size, compute)
+        self.model, kv = _build_rank(config, model_dir, model_config, dtype, self.shard, plan, max_model_len)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self._closed, self.ctrl)
+        self._guard(lambda: self.ctrl.barrier().wait())
+        full = KVCacheSpec.from_model_config(model_config, config.block_size, dtype)
+        self.kv_cache = TPKVCache(full, kv, self, owner_ranks(full.num_kv_heads, size))
+        self.on_death = None  # called (from the watchdog thread) with the TPRankDied when a rank exits
+        threading.Thread(target=self._watch, name="pdserve-tp-watchdog", daemon=True).start()
+
+    def dead_rank(self) -> TPRankDied | None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                return TPRankDied(f"tensor-parallel rank {rank} of {self.size} (pid {p.pid}) exited with code "
+                                  f"{p.exitcode}; the engine cannot continue without it")
+        return None
+
+    def _guard(self, fn, *args):
+        """Run a collective; a failure caused by a dead rank becomes ``TPRankDied`` naming it."""
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            for _ in range(20):  # the peer's exit may be a moment behind the closed connection
+                dead = self.dead_rank()
+                if dead is not None:
+                    raise dead from e
+                self._closed.wait(0.1)
+            raise TPRankDied(f"tensor-parallel collective failed: {e}") from e
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.5):
+            dead = self.dead_rank()
+            if dead is not None:
+                logger.error("%s", dead)
+                if self.on_death is not None:
+                    self.on_death(dead)
+                return
+
+    def send(self, op: str, payload) -> None:
+        self._guard(_send, self.ctrl, (op, payload))
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, md) -> None:
+        """Order one forward pass; rank 0 then runs its own (the all-reduces pair them up)."""
+        self.send("step", (ids.cpu(), positions.cpu(), md if ids.device.type == "cpu" else _md_on(md, "cpu")))
+
+    def recv_blocks(self, rank: int, like: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty_like(like, device="cpu")
+        self._guard(lambda: self.ctrl.recv([buf], rank, 0).wait())
+        return buf
+
+    def close(self) -> None:
+        """Stop every rank (idempotent); the engine is unusable afterwards."""
+        self._finalizer()
+
+
+def _stop(procs, closed: threading.Event, ctrl) -> None:
+    closed.set()
+    if ctrl is not None and all(p.is_alive() for p in procs):
+        try:
+            _send(ctrl, ("stop", None))
+        except RuntimeError:
+            pass
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+class TPKVCache:
+    """Rank 0's view of the KV cache as ``KVCache``'s interface: ``layer`` is rank 0's own heads; swaps and the
+    hand-over's ``read_blocks``/``write_blocks`` act on every rank, in the full-heads wire layout ``spec``."""
+
+    def __init__(self, spec: KVCacheSpec, local: KVCache, workers: TPWorkers, owners) -> None:
+        self.spec = spec
+        self.local = local
+        self.num_blocks = local.num_blocks
+        self.tp_workers = workers
+        self.owners = owners
+
+    def layer(self, i: int):
+        return self.local.layer(i)
+
+    def swap_out(self, pairs) -> None:
+        if pairs:
+            self.tp_workers.send("swap_out", pairs)
+            self.local.swap_out(pairs)
+
+    def swap_in(self, pairs) -> None:
+        if pairs:
+            self.tp_workers.send("swap_in", pairs)
+            self.local.swap_in(pairs)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """``[n, num_layers, 2, block_size, num_kv_heads (all), head_dim]``, gathered from the ranks that hold them."""
+        self.tp_workers.send("read", list(block_ids))
+        mine = self.local.read_blocks(block_ids)
+        parts = [mine if rank == 0 else self.tp_workers.recv_blocks(rank, mine).to(mine.device)
+                 for rank, _, _ in self.owners]
+        return torch.cat(parts, dim=4)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of ``read_blocks``: every rank keeps its KV heads of ``data``. Raises ``ValueError`` on a shape
+        or dtype mismatch."""
+        s = self.spec
+        want = (len(block_ids), s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
+        if tuple(data.shape) != want or data.dtype != s.dtype:
+            raise ValueError(f"KV blocks of shape {tuple(data.shape)} {data.dtype}, expected {want} {s.dtype}")
+        self.tp_workers.send("write", (list(block_ids), data.cpu()))
+        self.local.write_blocks(block_ids, data[:, :, :, :, :self.local.spec.num_kv_heads])
+
+
+def start_tensor_parallel(config, model_dir, model_config, dtype, plan_kv_cache):
+    """Check the split, plan the per-rank KV pool, start the ranks. Returns ``(workers, plan)``; ``workers.model``
+    is rank 0's shard and ``workers.kv_cache`` its ``TPKVCache``. Raises ``ValueError`` (one line) for a split
+    that cannot work, ``TPRankDied`` when a rank fails to start."""
+    mc = model_config
+    check_tp_split(mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size, config.tensor_parallel_size)
+    plan = plan_kv_cache(config, mc, local_kv_spec(mc, config.block_size, dtype, config.tensor_parallel_size))
+    return TPWorkers(config, model_dir, mc, dtype, plan, plan.max_model_len), plan

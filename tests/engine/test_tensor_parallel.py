@@ -1,0 +1,126 @@
+"""Tensor parallelism (issue 14): N rank processes split the heads; outputs equal the single-process engine's.
+
+Oracles: the TP=1 engine on the same model in fp32 (greedy tokens, and per-step logits within fp32 tolerance: the
+ranks' partial sums add in another order), and the exact refusal line for a split that cannot work.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.shared.engine.tp_executor import TPRankDied
+from pdserve.shared.models.tensor_parallel import TPShard, check_tp_split, owner_ranks
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)  # decodes grow into new blocks: preemption
+REFUSAL = ("tensor_parallel_size=2 cannot split this model (9 attention heads, 3 KV heads, intermediate size 1536): "
+           "attention heads and intermediate size must be multiples of it, and KV heads a multiple of it or a "
+           "divisor of it (then each KV head is replicated)")
+
+
+def test_kv_heads_split_or_replicated_as_vllm_does():
+    assert [TPShard(r, 3).kv_heads(3) for r in range(3)] == [(0, 1), (1, 1), (2, 1)]
+    assert [TPShard(r, 4).kv_heads(2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]  # replicated twice
+    assert [TPShard(r, 2).kv_heads(8) for r in range(2)] == [(0, 4), (4, 4)]
+    assert owner_ranks(2, 4) == [(0, 0, 1), (2, 1, 1)]
+    # query heads stay with their KV head: rank r's first query head maps to rank r's KV head
+    for size, heads, kv in ((4, 8, 2), (3, 9, 3), (2, 8, 2)):
+        for r in range(size):
+            first_q = TPShard(r, size).heads(heads)[0]
+            assert first_q // (heads // kv) == TPShard(r, size).kv_heads(kv)[0]
+    with pytest.raises(ValueError) as e:
+        check_tp_split(9, 3, 1536, 2)
+    assert str(e.value) == REFUSAL
+
+
+@pytest.mark.slow
+def test_impossible_split_is_refused_at_start_up():
+    with pytest.raises(ValueError) as e:
+        LLM("smollm2-135m-instruct", dtype="float32", tensor_parallel_size=2)
+    assert str(e.value) == REFUSAL
+
+
+@pytest.mark.slow
+def test_tp3_greedy_equals_tp1_with_prefix_cache_chunks_and_preemption(llm_fp32, prompt_of):
+    # lengths 1..120; two prompts share a 48-token prefix (prefix cache hits), the budget of 16 chunks every prefill
+    prompts = [prompt_of(1), prompt_of(48) + prompt_of(23, 60), prompt_of(120), prompt_of(48) + prompt_of(9, 90)]
+    want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, LONG)]
+    # 10 usable blocks of 16 (160 tokens) cannot hold the 4 requests at once (345 tokens): the scheduler preempts
+    llm = LLM("smollm2-135m-instruct", dtype="float32", tensor_parallel_size=3, num_kv_blocks=11,
+              max_num_batched_tokens=16, max_model_len=160, preemption_mode="swap", swap_space_bytes="64MiB")
+    engine = llm.llm_engine
+    try:
+        for mode in ("recompute", "swap"):
+            engine.scheduler.preemption_mode = mode  # one engine (and one rank start-up) for both modes
+            before = engine.get_stats()["num_preemptions"]
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, LONG)]
+            stats = engine.get_stats()
+            assert stats["num_preemptions"] > before, mode
+            assert got == want, mode
+        assert stats["kv_blocks_swapped_in"] > 0 and stats["prefix_cache_hits"] > 0
+        # a rank that dies: the next step fails at once with an error naming it, no hang on the collective
+        os.kill(engine.tp.procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(TPRankDied, match=r"tensor-parallel rank 2 of 3 \(pid \d+\) exited with code -9"):
+            llm.generate([prompt_of(5)], GREEDY)
+        assert time.monotonic() - t0 < 15
+    finally:
+        engine.tp.close()
+
+
+def _tiny_llama(tmp_path, model_dir) -> str:
+    """A random 2-layer Llama (8 heads, 2 KV heads) saved as safetensors with the default model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=256, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    for name in os.listdir(model_dir):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(model_dir, name), tmp_path)
+    return str(tmp_path)
+
+
+def _greedy_with_logits(llm: LLM, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
+    runner = llm.llm_engine.runner
+    logits, execute = [], runner.execute_model
+
+    def recording(out):
+        result = execute(out)
+        logits.append(result[0].clone())
+        return result
+
+    runner.execute_model = recording
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)], logits
+
+
+@pytest.mark.slow
+def test_tiny_llama_tp2_and_tp4_logits_equal_tp1(tmp_path, model_dir):
+    path = _tiny_llama(tmp_path, model_dir)
+    prompts = [list(range(100, 131)), list(range(7, 12)), list(range(500, 540))]
+    want_tokens, want_logits = _greedy_with_logits(LLM(path, dtype="float32", max_num_batched_tokens=32), prompts)
+    for tp in (2, 4):  # TP=4: each of the 2 KV heads lives on two ranks
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=32, tensor_parallel_size=tp)
+        try:
+            tokens, logits = _greedy_with_logits(llm, prompts)
+            # the KV hand-over layout gathers every KV head from the ranks and scatters it back
+            engine = llm.llm_engine
+            blocks = [1, 2]
+            data = engine.kv_cache.read_blocks(blocks)
+            assert data.shape[4] == 2
+            engine.kv_cache.write_blocks(blocks, data.flip(0))
+            assert torch.equal(engine.kv_cache.read_blocks(blocks), data.flip(0))
+        finally:
+            llm.llm_engine.tp.close()
+        assert tokens == want_tokens, tp
+        assert len(logits) == len(want_logits)
+        for got, want in zip(logits, want_logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
