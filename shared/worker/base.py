@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.shared.engine.llm_engine import LLMEngine
+from pdserve.shared.models.tensor_parallel import TPShard
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import OutputEvent
 from pdserve.shared.protocol.registry import PodInfo
@@ -128,8 +129,10 @@ class Worker:
     # engine
     def kv_layout(self) -> KVLayout:
         spec = self.engine.kv_spec
+        tp = self.engine.config.tensor_parallel_size
+        ranges = tuple(TPShard(r, tp).kv_heads(spec.num_kv_heads) for r in range(tp)) if tp > 1 else ()
         return KVLayout(spec.block_size, str(spec.dtype).removeprefix("torch."), spec.num_layers, spec.num_kv_heads,
-                        spec.head_dim, self.settings.model)
+                        spec.head_dim, self.settings.model, tp, ranges)
 
     def _on_outputs(self, outputs) -> None:
         # engine thread: take a stats snapshot with the outputs, hand both to the loop

@@ -182,6 +182,13 @@ async def test_a_client_dying_mid_transfer_releases_its_blocks(layout):
     ({"block_size": 32}, "layout_mismatch: KV layout mismatch: block_size server 16 != client 32"),
     ({"dtype": "bfloat16"}, "layout_mismatch: KV layout mismatch: dtype server 'float32' != client 'bfloat16'"),
     ({"num_kv_heads": 9}, "layout_mismatch: KV layout mismatch: num_kv_heads server 3 != client 9"),
+    # tensor parallelism: ranks that do not hold every KV head between them cannot be mapped (issue 14)
+    ({"tensor_parallel_size": 2, "kv_head_ranges": ((0, 1), (1, 1))},
+     "layout_mismatch: KV layout mismatch: client (tensor_parallel_size 2): KV head ranges [[0, 1], [1, 1]] do not "
+     "cover the 3 KV heads exactly"),
+    ({"tensor_parallel_size": 3, "kv_head_ranges": ((0, 1), (1, 1))},
+     "layout_mismatch: KV layout mismatch: client (tensor_parallel_size 3): 2 KV head ranges for "
+     "tensor_parallel_size 3"),
 ])
 async def test_handshake_refuses_another_layout(layout, change, expected, caplog):
     receiver = PoolReceiver(layout)
@@ -201,6 +208,22 @@ async def test_handshake_refuses_another_layout(layout, change, expected, caplog
         assert server.handshakes_refused == 1
     finally:
         await server.stop()
+
+
+async def test_pods_of_different_tensor_parallel_sizes_exchange_full_head_blocks(layout):
+    # a TP=1 prefill pod and a TP=3 decode pod (and the reverse): blocks carry every KV head, each end splits them
+    tp3 = dataclasses.replace(layout, tensor_parallel_size=3, kv_head_ranges=((0, 1), (1, 1), (2, 1)))
+    for server_layout, client_layout in ((tp3, layout), (layout, tp3)):
+        receiver = PoolReceiver(server_layout)
+        server = await started(receiver)
+        try:
+            async with KVTransferClient("127.0.0.1", server.port, client_layout, SECRET) as client:
+                assert (await client.reserve(Reserve("r", [1] * 32, 32, [], None))).ok
+                kv = random_blocks(layout, 2)
+                await client.send_blocks("r", 0, kv)
+                assert same_bits(receiver.blocks_of("r"), kv)
+        finally:
+            await server.stop()
 
 
 async def test_handshake_refuses_another_secret_on_both_sides(layout, caplog):
