@@ -121,7 +121,7 @@ class Worker:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.engine_thread is not None:
             await asyncio.to_thread(self.engine_thread.stop)
-        if self.engine is not None and self.engine.tp is not None:
+        if getattr(self.engine, "tp", None) is not None:
             await asyncio.to_thread(self.engine.tp.close)
         await self.registry.aclose()
         await self.redis.aclose()
@@ -129,7 +129,8 @@ class Worker:
     # engine
     def kv_layout(self) -> KVLayout:
         spec = self.engine.kv_spec
-        tp = self.engine.config.tensor_parallel_size
+        workers = getattr(self.engine, "tp", None)  # rank 0's handle on the other ranks; None at TP=1
+        tp = 1 if workers is None else workers.size
         ranges = tuple(TPShard(r, tp).kv_heads(spec.num_kv_heads) for r in range(tp)) if tp > 1 else ()
         return KVLayout(spec.block_size, str(spec.dtype).removeprefix("torch."), spec.num_layers, spec.num_kv_heads,
                         spec.head_dim, self.settings.model, tp, ranges)
