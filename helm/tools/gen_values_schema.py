@@ -162,8 +162,8 @@ schema = {
         "router": tier({"service": obj({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "port": PORT, "annotations": STRMAP}),
                         "shutdownGraceSeconds": {"type": "number", "minimum": 0}, "preStopSleepSeconds": I0}),
         "registry": tier(),
-        "prefill": tier(gpu=True),
-        "decode": tier({"kvPort": PORT, "speculativeConfig": SPEC}, gpu=True),
+        "prefill": tier({"tensorParallelSize": I1}, gpu=True),
+        "decode": tier({"kvPort": PORT, "speculativeConfig": SPEC, "tensorParallelSize": I1}, gpu=True),
         "planner": tier({"intervalSeconds": I1, "dryRun": B}, replicas=False, pdb=False),
         "autoscaling": obj({
             "mode": {"enum": ["none", "hpa", "keda", "planner"]},

@@ -265,8 +265,14 @@ spec:
             periodSeconds: {{ $root.Values.probes.liveness.periodSeconds }}
             failureThreshold: {{ $root.Values.probes.liveness.failureThreshold }}
             timeoutSeconds: {{ $root.Values.probes.liveness.timeoutSeconds }}
+          {{- /* tensor parallelism on GPUs: one GPU per rank */}}
+          {{- $res := deepCopy ($cfg.resources | default dict) }}
+          {{- if and (eq (toString $root.Values.engine.device) "cuda") (gt (int ($cfg.tensorParallelSize | default 1)) 1) }}
+          {{- $limits := merge (dict "nvidia.com/gpu" (int $cfg.tensorParallelSize)) (omit ($res.limits | default dict) "nvidia.com/gpu") }}
+          {{- $_ := set $res "limits" $limits }}
+          {{- end }}
           resources:
-            {{- toYaml ($cfg.resources | default dict) | nindent 12 }}
+            {{- toYaml $res | nindent 12 }}
           {{- with .lifecycle }}
           lifecycle:
             {{- toYaml . | nindent 12 }}
