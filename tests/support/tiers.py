@@ -5,6 +5,8 @@ weights or starts a process other than ``redis-server`` fails and says which mar
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
 import subprocess
 import sys
@@ -49,15 +51,43 @@ def _install() -> None:
         if getattr(module, "load_model", None) is load_model:
             module.load_model = guarded_load_model
 
-    import transformers
+    # transformers itself now: importing it runs ldconfig (huggingface_hub -> trio), which a test may not. Its HF
+    # models are guarded once transformers.modeling_utils is imported, not imported here: that costs ~5 s of CPU
+    # (torch._dynamo, ...) and a fast-tier run needs it nowhere else.
+    import transformers  # noqa: F401
 
-    from_pretrained = transformers.PreTrainedModel.from_pretrained.__func__
+    if "transformers.modeling_utils" in sys.modules:
+        _guard_hf_models(sys.modules["transformers.modeling_utils"])
+    else:
+        sys.meta_path.insert(0, _GuardOnImport())
+
+
+def _guard_hf_models(modeling_utils) -> None:
+    from_pretrained = modeling_utils.PreTrainedModel.from_pretrained.__func__
 
     def guarded_from_pretrained(cls, *a, **k):
         _refuse(f"loads an HF model ({cls.__name__})")
         return from_pretrained(cls, *a, **k)
 
-    transformers.PreTrainedModel.from_pretrained = classmethod(guarded_from_pretrained)
+    modeling_utils.PreTrainedModel.from_pretrained = classmethod(guarded_from_pretrained)
+
+
+class _GuardOnImport(importlib.abc.MetaPathFinder):
+    """Guards ``PreTrainedModel.from_pretrained`` as soon as ``transformers.modeling_utils`` has executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "transformers.modeling_utils":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _guard_hf_models(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def pytest_configure(config: pytest.Config) -> None:
