@@ -4,8 +4,10 @@ Rank 0 owns the one scheduler, the one ``KVCacheManager`` and the sampler. Every
 inputs (token ids, positions and the attention metadata: slot mapping, block tables, lengths) to the other ranks
 and all N run the same forward pass on their own heads (``shared/models/tensor_parallel.py``), meeting in two
 all-reduces per layer. Block operations (swap out/in, KV hand-over reads and writes) are sent the same way and
-applied by every rank to its own KV heads, so all block tables agree by construction. Orders travel as pickled
-bytes over a gloo process group (CPU tensors also when the compute group is NCCL, as vLLM's CPU group does).
+applied by every rank to its own KV heads, so all block tables agree by construction. Orders travel as msgpack
+bytes over a gloo process group (CPU tensors also when the compute group is NCCL, as vLLM's CPU group does);
+tensors and the attention metadata are msgpack extension types -- nothing is unpickled (tests/chaos/
+test_security_static.py), not even between a pod's own ranks.
 
 A rank that dies closes its gloo connections: the collective rank 0 is in fails, and ``TPRankDied`` names the
 rank; a watchdog thread also notices a death between steps (``on_death``: the worker pods exit there).
@@ -17,11 +19,11 @@ import datetime
 import logging
 import multiprocessing
 import os
-import pickle
 import socket
 import threading
 import weakref
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -52,8 +54,46 @@ def _groups(store, rank: int, size: int, device: str):
     return ctrl, dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
 
 
+_TENSOR, _METADATA = 1, 2  # msgpack extension codes of the orders
+
+
+def _pack_default(obj):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()  # any dtype, bf16 included (numpy has none)
+        return msgpack.ExtType(_TENSOR, msgpack.packb([str(t.dtype).removeprefix("torch."), list(t.shape), raw]))
+    from pdserve.kernels.attention_metadata import AttentionMetadata
+
+    if isinstance(obj, AttentionMetadata):
+        fields = [obj.slot_mapping, obj.block_tables, obj.seq_lens, obj.query_start_loc, obj.query_lens_cpu,
+                  obj.seq_lens_cpu, obj.block_size, obj.cache.get("qsl")]  # the only scratch a rank reuses
+        return msgpack.ExtType(_METADATA, _pack(fields))
+    raise TypeError(f"a tensor-parallel order cannot carry {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: bytes):
+    if code == _TENSOR:
+        dtype, shape, raw = msgpack.unpackb(data)
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, dtype)).reshape(shape)
+    if code == _METADATA:
+        from pdserve.kernels.attention_metadata import AttentionMetadata
+
+        *tensors_and_lists, block_size, qsl = _unpack(data)
+        return AttentionMetadata(*tensors_and_lists, block_size, {"qsl": qsl} if qsl is not None else {})
+    return msgpack.ExtType(code, data)
+
+
+def _pack(message) -> bytes:
+    return msgpack.packb(message, default=_pack_default)
+
+
+def _unpack(data: bytes):
+    return msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False)
+
+
 def _send(ctrl, message) -> None:
-    data = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    data = torch.frombuffer(bytearray(_pack(message)), dtype=torch.uint8)
     ctrl.broadcast([torch.tensor([data.numel()], dtype=torch.long)], dist.BroadcastOptions()).wait()
     ctrl.broadcast([data], dist.BroadcastOptions()).wait()
 
@@ -63,7 +103,7 @@ def _recv(ctrl):
     ctrl.broadcast([size], dist.BroadcastOptions()).wait()
     data = torch.empty(int(size), dtype=torch.uint8)
     ctrl.broadcast([data], dist.BroadcastOptions()).wait()
-    return pickle.loads(data.numpy().tobytes())
+    return _unpack(data.numpy().tobytes())
 
 
 def _md_on(md, device):
