@@ -21,9 +21,9 @@ import torch
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.handover import DecodeImport, Export, PrefillExport
 from pdserve.shared.engine.input_processor import InputProcessor, RequestRejected, eos_token_ids
-from pdserve.shared.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.shared.engine.executor import build_executor
+from pdserve.shared.engine.kv_cache import KVCacheSpec
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
-from pdserve.shared.engine.kv_plan import plan_kv_cache
 from pdserve.shared.engine.model_runner import ModelRunner
 from pdserve.shared.engine.output_processor import OutputProcessor
 from pdserve.shared.engine.outputs import RequestOutput
@@ -35,17 +35,12 @@ from pdserve.shared.engine.spec_decode.draft_model import DraftModelProposer
 from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder, split_logits_rows
 from pdserve.shared.engine.stats import EngineCounters, kv_and_scheduler_stats
 from pdserve.shared.engine.swap import SwapManager
-from pdserve.shared.models.loader import load_config, load_model
+from pdserve.shared.models.loader import load_config
 from pdserve.shared.models.resolve import resolve_model
 
 __all__ = ["LLMEngine", "RequestRejected"]
 
 logger = logging.getLogger(__name__)
-
-def _attention_backend(name: str, device: str):
-    from pdserve.kernels.backend import get_attention_backend
-
-    return get_attention_backend(name, device)
 
 
 class LLMEngine:
@@ -58,19 +53,10 @@ class LLMEngine:
         self.model_config = mc = load_config(self.model_dir)
         self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)
-        self.backend = _attention_backend(config.attention_backend, config.device)
         self.kv_spec = KVCacheSpec.from_model_config(mc, config.block_size, self.dtype)
-        self.tp = None  # rank 0's handle on the other ranks under tensor parallelism
-        if config.tensor_parallel_size > 1:
-            from pdserve.shared.engine.tp_executor import start_tensor_parallel
-
-            self.tp, plan = start_tensor_parallel(config, self.model_dir, mc, self.dtype, plan_kv_cache)
-            self.max_model_len, self.model, self.kv_cache = plan.max_model_len, self.tp.model, self.tp.kv_cache
-        else:
-            plan = plan_kv_cache(config, mc, self.kv_spec)
-            self.max_model_len = plan.max_model_len
-            self.model = load_model(self.model_dir, mc, self.backend, self.dtype, config.device, self.max_model_len)
-            self.kv_cache = KVCache(self.kv_spec, plan.num_blocks, plan.num_cpu_blocks, config.device)
+        ex = build_executor(config, self.model_dir, mc, self.dtype, self.kv_spec)
+        self.backend, self.model, self.kv_cache, self.tp, plan = ex.backend, ex.model, ex.kv_cache, ex.tp, ex.plan
+        self.max_model_len = plan.max_model_len
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching,
                                          config.enable_kv_events)
         swap = SwapManager(self.kv_manager, plan.num_cpu_blocks) if plan.num_cpu_blocks else None
