@@ -41,6 +41,24 @@ class AttentionMetadata:
     block_size: int
     cache: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_lists(cls, slot_mapping: list[int], block_tables: list[list[int]], seq_lens: list[int],
+                   query_lens: list[int], block_size: int, device) -> AttentionMetadata:
+        """Build a step's metadata from host lists (block tables padded with the null block 0 to the longest);
+        ``cache["qsl"]`` holds ``query_start_loc`` as a list, which the reference backend reads."""
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        width = max((len(t) for t in block_tables), default=0)
+        md = cls(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+                 block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
+                                           device=device),
+                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                 query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+                 query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=block_size)
+        md.cache["qsl"] = qsl
+        return md
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

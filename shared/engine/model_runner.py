@@ -71,21 +71,8 @@ class ModelRunner:
             query_lens.append(n)
             if end >= request.num_tokens:  # the last known token, then one row per draft token
                 sample_rows.extend(range(len(input_ids) - 1 - (end - request.num_tokens), len(input_ids)))
-        width = max(len(t) for t in tables)
         dev = self.device
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-        )
-        md.cache["qsl"] = qsl
+        md = AttentionMetadata.from_lists(slot_mapping, tables, seq_lens, query_lens, bs, dev)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, md, sample_rows, prompt_rows

@@ -147,17 +147,7 @@ class DraftModelProposer:
             seq_lens.append(end)
             query_lens.append(len(tokens))
             last.append(len(ids) - 1)
-        width = max(len(t) for t in tables)
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=bs)
-        md.cache["qsl"] = qsl
+        md = AttentionMetadata.from_lists(slots, tables, seq_lens, query_lens, bs, dev)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.kv_caches, md)
         return self.model.compute_logits(hidden[torch.tensor(last, device=hidden.device)])[:, :self.vocab_size]
