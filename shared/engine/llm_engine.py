@@ -260,4 +260,5 @@ class LLMEngine:
         ``speculative_config`` only): ``SpecDecoder.get_stats``."""
         return {**kv_and_scheduler_stats(self.scheduler, self.kv_manager), **self.stats.as_dict(),
                 "block_size": self.kv_spec.block_size, "max_model_len": self.max_model_len,
+                "tensor_parallel_size": self.config.tensor_parallel_size,
                 **(self.spec.get_stats() if self.spec is not None else {})}

@@ -201,11 +201,15 @@ class TPWorkers:
         threading.Thread(target=self._watch, name="pdserve-tp-watchdog", daemon=True).start()
 
     def dead_rank(self) -> TPRankDied | None:
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                return TPRankDied(f"tensor-parallel rank {rank} of {self.size} (pid {p.pid}) exited with code "
-                                  f"{p.exitcode}; the engine cannot continue without it")
-        return None
+        """The ranks that exited, as one error; None while all live. A rank killed by a signal is named first: its
+        peers then fail in their collective and exit too, a moment later, with code 1."""
+        dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        if not dead:
+            return None
+        dead.sort(key=lambda rp: (rp[1].exitcode is None or rp[1].exitcode >= 0, rp[0]))
+        (rank, p), others = dead[0], "".join(f", rank {r} (pid {q.pid}) with code {q.exitcode}" for r, q in dead[1:])
+        return TPRankDied(f"tensor-parallel rank {rank} of {self.size} (pid {p.pid}) exited with code {p.exitcode}"
+                          f"{others}; the engine cannot continue without it")
 
     def _guard(self, fn, *args):
         """Run a collective; a failure caused by a dead rank becomes ``TPRankDied`` naming it."""
