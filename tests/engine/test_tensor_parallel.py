@@ -1,7 +1,8 @@
 """Tensor parallelism (issue 14): N rank processes split the heads; outputs equal the single-process engine's.
 
-Oracles: the TP=1 engine on the same model in fp32 (greedy tokens, and per-step logits within fp32 tolerance: the
-ranks' partial sums add in another order), and the exact refusal line for a split that cannot work.
+Oracles: the TP=1 engine on the same model in fp32 (greedy tokens, seeded ``n > 1`` samples, speculative decoding's
+greedy tokens, and per-step logits within fp32 tolerance: the ranks' partial sums add in another order), and the
+exact refusal line for a split that cannot work.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from pdserve.shared.models.tensor_parallel import TPShard, check_tp_split, owner
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)  # decodes grow into new blocks: preemption
+SEEDED_N2 = SamplingParams(temperature=0.8, top_p=0.95, seed=7, n=2, max_tokens=10, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive": False}
 REFUSAL = ("tensor_parallel_size=2 cannot split this model (9 attention heads, 3 KV heads, intermediate size 1536): "
            "attention heads and intermediate size must be multiples of it, and KV heads a multiple of it or a "
            "divisor of it (then each KV head is replicated)")
@@ -48,23 +52,39 @@ def test_impossible_split_is_refused_at_start_up():
 
 
 @pytest.mark.slow
-def test_tp3_greedy_equals_tp1_with_prefix_cache_chunks_and_preemption(llm_fp32, prompt_of):
+def test_tp3_greedy_equals_tp1_with_prefix_cache_chunks_preemption_n_and_speculation(llm_fp32, prompt_of):
     # lengths 1..120; two prompts share a 48-token prefix (prefix cache hits), the budget of 16 chunks every prefill
     prompts = [prompt_of(1), prompt_of(48) + prompt_of(23, 60), prompt_of(120), prompt_of(48) + prompt_of(9, 90)]
-    want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, LONG)]
+    copy = prompt_of(40, 5) + prompt_of(40, 5)  # a repeated passage: the model copies on and n-gram drafts hit
+    want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts + [copy], LONG)]
+    want_seeded = [[c.token_ids for c in o.outputs] for o in llm_fp32.generate(prompts[:2], SEEDED_N2)]
     # 10 usable blocks of 16 (160 tokens) cannot hold the 4 requests at once (345 tokens): the scheduler preempts
     llm = LLM("smollm2-135m-instruct", dtype="float32", tensor_parallel_size=3, num_kv_blocks=11,
-              max_num_batched_tokens=16, max_model_len=160, preemption_mode="swap", swap_space_bytes="64MiB")
+              max_num_batched_tokens=16, max_model_len=160, preemption_mode="swap", swap_space_bytes="64MiB",
+              speculative_config=NGRAM)
     engine = llm.llm_engine
+    spec, engine.spec = engine.spec, None  # one engine (and one rank start-up) for the plain and speculative runs
     try:
         for mode in ("recompute", "swap"):
-            engine.scheduler.preemption_mode = mode  # one engine (and one rank start-up) for both modes
+            engine.scheduler.preemption_mode = mode
             before = engine.get_stats()["num_preemptions"]
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, LONG)]
             stats = engine.get_stats()
             assert stats["num_preemptions"] > before, mode
-            assert got == want, mode
+            assert got == want[:4], mode
         assert stats["kv_blocks_swapped_in"] > 0 and stats["prefix_cache_hits"] > 0
+        # n > 1: sibling requests sharing the prompt's blocks, seeded sampling rows on rank 0
+        assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[:2], SEEDED_N2)] == want_seeded
+        # speculative decoding (n-gram, k=3): the verifying pass runs 1 + k query tokens per request on every rank,
+        # and rejected drafts roll back the slots all ranks wrote; a prefix hit, 120 tokens, and n=2 on the copy
+        # prompt (271 prompt tokens and 96 decoded on 160 slots: preempted while speculating)
+        engine.spec = spec
+        before = engine.get_stats()["num_preemptions"]
+        outs = llm.generate(prompts[1:3] + [copy], [LONG, LONG, SamplingParams(temperature=0, max_tokens=24,
+                                                                                   ignore_eos=True, n=2)])
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[want[1]], [want[2]], [want[4], want[4]]]
+        stats = engine.get_stats()
+        assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_preemptions"] > before
         # a rank that dies: the next step fails at once with an error naming it, no hang on the collective
         os.kill(engine.tp.procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
