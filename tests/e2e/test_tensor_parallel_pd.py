@@ -100,9 +100,10 @@ def test_greedy_across_tp_sizes_equals_offline_engine(ensemble, offline, tokeniz
     chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24,
                                                  stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
-    # both requests' prompt blocks crossed the wire from the prefill pod (not recomputed on the decode pod)
+    # the prompt's blocks crossed the wire from the prefill pod (not recomputed on the decode pod); the second
+    # request's may be a prefix hit there, so only the first's are counted on
     blocks = -(-len(prompt_ids) // 16)
-    assert sum(ensemble.stats(p)["kv_blocks_received"] for p in ensemble.pods("decode")) - received >= 2 * blocks - 1
+    assert sum(ensemble.stats(p)["kv_blocks_received"] for p in ensemble.pods("decode")) - received >= blocks
 
 
 @pytest.mark.skipif(REVERSE, reason="the decode pods are TP=1 in the reverse run: no rank to kill")
