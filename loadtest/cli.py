@@ -79,6 +79,7 @@ def _register() -> None:
     from pdserve.loadtest.kv_transfer_bench import kv_transfer_command
     from pdserve.loadtest.spec_bench import spec_command
     from pdserve.loadtest.throughput_bench import throughput_command
+    from pdserve.loadtest.tp_bench import tp_command
     from pdserve.loadtest.sweep import sweep_command
     from pdserve.loadtest.ttft_breakdown import ttft_breakdown_command
 
@@ -89,6 +90,7 @@ def _register() -> None:
     bench.add_command(overload_command, "overload")
     bench.add_command(throughput_command, "throughput")
     bench.add_command(spec_command, "spec")
+    bench.add_command(tp_command, "tp")
 
 
 _register()
