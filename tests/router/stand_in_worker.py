@@ -60,16 +60,26 @@ class StandInWorker:
                     raise
         r.close()
         self._pubsub_ready = threading.Event()
+        self._reader_id: int | None = None
         for target in (self._read_loop, self._abort_loop):
             t = threading.Thread(target=target, daemon=True)
             t.start()
             self._threads.append(t)
+        self._reader = self._threads[0]
         self._pubsub_ready.wait(5)
 
     def stop(self) -> None:
         self._stop.set()
+        # Redis times out a blocked XREADGROUP only at its 10 Hz tick (~0.1 s per stream the loop reads), which
+        # was most of a router test's teardown: CLIENT UNBLOCK wakes the read loop at once.
+        r = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + 10
         for t in self._threads:
-            t.join(10)
+            while t.is_alive() and time.monotonic() < deadline:
+                if t is self._reader and self._reader_id is not None:
+                    r.client_unblock(self._reader_id)
+                t.join(0.01)
+        r.close()
 
     def _streams(self) -> list[tuple[str, str]]:
         return [(keys.PREFILL_STREAM, keys.PREFILL_GROUP)] + [
@@ -91,9 +101,12 @@ class StandInWorker:
         r.close()
 
     def _read_loop(self) -> None:
-        r = redis.Redis.from_url(self.redis_url)
+        r = redis.Redis.from_url(self.redis_url, single_connection_client=True)
+        self._reader_id = r.client_id()
         while not self._stop.is_set():
             for stream, group in self._streams():
+                if self._stop.is_set():
+                    break
                 reply = r.xreadgroup(group, "stand-in", {stream: ">"}, count=16, block=20)
                 for _, entries in reply or []:
                     for entry_id, fields in entries:
