@@ -4,21 +4,15 @@ and only while it is handled."""
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 
-from pdserve.shared.logs import FORMAT, RequestIdFilter, logging_request
+from pdserve.shared.logs import logging_request
+
+from support.log_capture import captured_log
 
 
 def test_log_lines_carry_the_request_id_inside_a_request_and_its_tasks_only():
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.addFilter(RequestIdFilter())
-    handler.setFormatter(logging.Formatter(FORMAT.replace("%(asctime)s ", "")))
     log = logging.getLogger("pdserve.test_logs")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
 
     async def child() -> None:
         log.info("in a task it started")
@@ -33,10 +27,8 @@ def test_log_lines_carry_the_request_id_inside_a_request_and_its_tasks_only():
     async def main() -> None:
         await asyncio.gather(handle("cmpl-1-0"), handle("cmpl-2-0"))
 
-    try:
+    with captured_log("pdserve.test_logs") as stream:
         asyncio.run(main())
-    finally:
-        log.removeHandler(handler)
     lines = sorted(stream.getvalue().splitlines())
     assert lines == sorted([
         "INFO pdserve.test_logs [cmpl-1-0]: admitted", "INFO pdserve.test_logs [cmpl-1-0]: in a task it started",

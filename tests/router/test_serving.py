@@ -223,19 +223,10 @@ async def test_a_stream_ends_an_error_with_its_body_and_done(redis_url, redis_cl
 @pytest.mark.asyncio
 async def test_router_log_lines_of_a_request_carry_its_id(redis_url, redis_client, processor):
     import asyncio
-    import io
     import logging
 
-    from pdserve.shared.logs import FORMAT, RequestIdFilter
+    from support.log_capture import captured_log
 
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.addFilter(RequestIdFilter())
-    handler.setFormatter(logging.Formatter(FORMAT.replace("%(asctime)s ", "")))
-    log = logging.getLogger("pdserve.router")
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.INFO)
     service = make_service(redis_url, processor)
 
     async def one(client_id: str) -> None:
@@ -243,12 +234,9 @@ async def test_router_log_lines_of_a_request_carry_its_id(redis_url, redis_clien
         await asyncio.sleep(0.01)  # the other request logs meanwhile
         await service.finish(job, aborted=True, reason="client_disconnected")
 
-    try:
+    with captured_log("pdserve.router") as stream:
         await asyncio.gather(one("a"), one("b"))
-        log.info("between requests")
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
+        logging.getLogger("pdserve.router").info("between requests")
     lines = stream.getvalue().splitlines()
     for rid in ("cmpl-a", "cmpl-b"):
         mine = [line for line in lines if f"request {rid}" in line]
