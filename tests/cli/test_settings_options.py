@@ -1,4 +1,4 @@
-"""Settings are written once: every ``pdserve router|prefill|decode|registry`` flag is generated from a field of
+"""Settings are written once: every ``pdserve router|prefill|decode|registry|planner`` flag is generated from a field of
 that service's settings (``shared/settings.py``), one flag per field and one field per flag, with the field's
 description as help; ``pdserve up`` forwards the engine settings with the flags of the fields that read them."""
 
@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from pdserve.services.decode.main import command as decode_command
 from pdserve.services.decode.settings import DecodeSettings
+from pdserve.services.planner.main import command as planner_command
+from pdserve.services.planner.settings import PlannerSettings
 from pdserve.services.prefill.main import command as prefill_command
 from pdserve.services.prefill.settings import PrefillSettings
 from pdserve.services.registry.main import command as registry_command
@@ -20,7 +22,8 @@ from pdserve.services.up import FORWARDED, UpOptions, command as up_command
 from pdserve.shared.settings import given
 
 COMMANDS = {"router": (router_command, RouterSettings), "prefill": (prefill_command, PrefillSettings),
-            "decode": (decode_command, DecodeSettings), "registry": (registry_command, RegistrySettings)}
+            "decode": (decode_command, DecodeSettings), "registry": (registry_command, RegistrySettings),
+            "planner": (planner_command, PlannerSettings)}
 
 WORKER = ("--host --port --pod-id --advertise-host --redis-url --registry-url --registry-token --kv-transfer-secret "
           "--model --dtype --block-size --max-model-len --max-num-seqs --max-num-batched-tokens --enable-prefix-caching "
@@ -38,6 +41,9 @@ EARLIER_FLAGS = {
     "prefill": WORKER + "--max-inflight --claim-idle-s --kv-wait-timeout-s --kv-transfer-timeout-s "
                         "--kv-unreachable-cooldown-s --max-waiting-kv-bytes",
     "decode": WORKER + "--kv-port --colocated --speculative-config --lease-ttl-s --handover-memory-s",
+    "planner": "--host --port --redis-url --namespace --prefill-deployment --decode-deployment --router-deployment "
+               "--interval-seconds --ttft-slo-seconds --tpot-slo-seconds --target-kv-cache-usage --prefill-min-replicas "
+               "--prefill-max-replicas --decode-min-replicas --decode-max-replicas --dry-run --log-level",
 }
 
 
