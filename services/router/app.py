@@ -37,6 +37,7 @@ from .errors import OpenAIError
 from .metrics import RouterMetrics
 from .middleware import GuardMiddleware, StatusCounter
 from .models import ServedModel
+from .pod_probe import probe_client
 from .params import generation_defaults
 from .prompts import PromptProcessor
 from .routes import router as routes
@@ -82,7 +83,8 @@ def start_services(app: FastAPI, settings: RouterSettings, processor: PromptProc
     admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                           settings.max_queued_prompt_tokens, settings.retry_after_s)
     state = RouterState(settings=settings, processor=processor, redis=redis, dispatcher=dispatcher, metrics=metrics,
-                        defaults=generation_defaults(processor.model_dir), admission=admission, router_id=router_id)
+                        defaults=generation_defaults(processor.model_dir), admission=admission, router_id=router_id,
+                        http=probe_client())
     model = ServedModel(settings.served_name, settings.model, processor.max_model_len, state.created)
     app.state.router, app.state.model = state, model
     app.state.service = CompletionService(state, model, app.state.drain)
@@ -135,6 +137,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
                 pass
             if owned is not None:
                 await owned.aclose()
+            await state.http.aclose()
             await redis.aclose()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)

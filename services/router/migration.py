@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from .dispatch import ChoiceSpec
 from .errors import OpenAIError
+from .pod_probe import probe
 from .prefill_watch import group_of
 from .relay import ChoiceRoute, abort_requests
 
@@ -47,8 +48,9 @@ class Migrator:
     """
 
     def __init__(self, redis: Any, dispatcher: Any, job: Any, max_migrations: int, pod_gone_wait_s: float,
-                 on_migrated: Any = None) -> None:
+                 on_migrated: Any = None, http: httpx.AsyncClient | None = None) -> None:
         self.redis = redis
+        self.http = http  # the router's probe client (pod_probe.py)
         self.dispatcher = dispatcher
         self.job = job
         self.max_migrations = max_migrations
@@ -69,8 +71,7 @@ class Migrator:
         if not route.pod_health_url:
             return False
         try:
-            async with httpx.AsyncClient(timeout=5.0) as client:  # its /health waits up to 2 s on Redis
-                resp = await client.get(route.pod_health_url)
+            resp = await probe(self.http, route.pod_health_url)
         except httpx.HTTPError:
             return False
         try:

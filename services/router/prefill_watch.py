@@ -29,6 +29,7 @@ from pdserve.shared.protocol import keys
 from pdserve.shared.streams import is_nogroup
 
 from .errors import OpenAIError
+from .pod_probe import probe
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,10 @@ class PrefillWatch:
     """``stall_s``: how long a queue entry may sit with a worker that does not touch it, or wait with no prefill
     pod alive, before the request moves (or fails with 503)."""
 
-    def __init__(self, redis: Any, dispatcher: Any, stall_s: float, retry_after_s: int = 1) -> None:
+    def __init__(self, redis: Any, dispatcher: Any, stall_s: float, retry_after_s: int = 1,
+                 http: httpx.AsyncClient | None = None) -> None:
         self.redis = redis
+        self.http = http  # the router's probe client (pod_probe.py)
         self.dispatcher = dispatcher
         self.stall_s = stall_s
         self.retry_after_s = retry_after_s
@@ -111,8 +114,7 @@ class PrefillWatch:
         if not base:
             return None
         try:
-            async with httpx.AsyncClient(timeout=5.0) as client:
-                resp = await client.get(f"{base}/v1/requests/{route.request_id}")
+            resp = await probe(self.http, f"{base}/v1/requests/{route.request_id}")
         except httpx.HTTPError:
             return None
         try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import anyio
+import httpx
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.responses import Response
@@ -60,6 +61,8 @@ class RouterState:
     created: int = field(default_factory=lambda: int(time.time()))
     # This incarnation, named in every request it enqueues: decode pods drop the requests of a router gone
     router_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # one client for the pods' own HTTP ports (pod_probe.py); None: each probe makes its own (tests)
+    http: httpx.AsyncClient | None = None
 
     @property
     def active(self) -> int:
@@ -263,8 +266,8 @@ class CompletionService:
                                          "error" if reason.startswith("worker") else "stall").inc()
 
         migrate = Migrator(st.redis, st.dispatcher, job, settings.max_migrations,
-                           settings.migration_pod_gone_wait_s, migrated)
-        watch = PrefillWatch(st.redis, st.dispatcher, settings.prefill_stall_s, settings.retry_after_s) \
+                           settings.migration_pod_gone_wait_s, migrated, http=st.http)
+        watch = PrefillWatch(st.redis, st.dispatcher, settings.prefill_stall_s, settings.retry_after_s, http=st.http) \
             if settings.prefill_stall_s else None
         stop = (self.drain.expired, self.drain.error) if self.drain is not None else None
         return OutputRelay(st.redis, job.routes, settings.request_timeout_s, settings.migration_stall_s,

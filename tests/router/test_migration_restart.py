@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import types
 
+import httpx
 from fastapi import FastAPI
 from redis.asyncio import Redis
 from router_harness import ThreadServer
@@ -29,15 +30,25 @@ def health_server(started_at: float) -> ThreadServer:
     return ThreadServer.start(app)
 
 
-def check(redis_url: str, registry_url: str, route: ChoiceRoute) -> bool:
+def check(redis_url: str, registry_url: str, route: ChoiceRoute, sent: list | None = None) -> bool:
+    """``migrator.pod_alive(route)``; with ``sent``, through one shared probe client (the router's) that records
+    each request it sends."""
     async def scenario() -> bool:
         redis = Redis.from_url(redis_url)
         registry = RegistryClient(registry_url)
+        http = None
+        if sent is not None:
+            async def record(request: httpx.Request) -> None:
+                sent.append(str(request.url))
+            http = httpx.AsyncClient(event_hooks={"request": [record]})
         try:
             job = types.SimpleNamespace(request_ids=[route.request_id], pods=[route.pod_id])
-            migrator = Migrator(redis, Dispatcher(redis, registry, DispatchConfig(cache_s=0.0)), job, 3, 1.0)
+            migrator = Migrator(redis, Dispatcher(redis, registry, DispatchConfig(cache_s=0.0)), job, 3, 1.0,
+                                http=http)
             return await migrator.pod_alive(route)
         finally:
+            if http is not None:
+                await http.aclose()
             await registry.aclose()
             await redis.aclose()
     return asyncio.run(scenario())
@@ -63,3 +74,15 @@ def test_an_unlisted_pod_answering_health_is_alive_only_in_the_same_incarnation(
             assert check(redis_url, registry_url, route(pod_health_url=server.url + "/health")) is alive
         finally:
             server.stop()
+
+
+def test_the_health_probe_goes_through_the_routers_shared_client(redis_url, registry_url, redis_client):
+    """A probe made per check costs a client (CA bundle loaded: ~58 ms of CPU) on the router's event loop; the
+    router hands its one client to every Migrator (services/router/pod_probe.py)."""
+    server = health_server(100.0)
+    sent: list[str] = []
+    try:
+        assert check(redis_url, registry_url, route(pod_health_url=server.url + "/health"), sent) is True
+    finally:
+        server.stop()
+    assert sent == [server.url + "/health"]
