@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import cpu_elementwise
+from pdserve.kernels import cpu_elementwise, cpu_linear
 from pdserve.kernels.attention_metadata import AttentionMetadata
 from pdserve.shared.models.tensor_parallel import TPShard
 
@@ -40,7 +40,9 @@ class Fp32WeightLinear(nn.Module):
     On CPUs without native bf16 matrix instructions (no AVX512-BF16/AMX) oneDNN's bf16 GEMM converts and
     accumulates in fp32 anyway, 4-7x slower than an fp32 GEMM on the same shapes (measured on this
     project's AVX2 machine); the fp32 weights are the bf16 values exactly, so only the order of the fp32
-    sums differs. Costs twice the weight memory.
+    sums differs. Costs twice the weight memory. Up to ``cpu_linear.MAX_ROWS`` rows (decode and speculative
+    verify steps at small batch) go through ``cpu_linear.skinny_linear``, which reads the weights once where
+    MKL's sgemm repacks them per call, and sums each row as it would alone.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -50,6 +52,8 @@ class Fp32WeightLinear(nn.Module):
         self.out_features = linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_linear.usable(x, self.weight):
+            return cpu_linear.skinny_linear(x, self.weight, self.bias).to(x.dtype)
         return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 

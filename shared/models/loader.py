@@ -73,6 +73,8 @@ def load_model(model_dir, config, backend, dtype: torch.dtype, device: str, max_
     if missing or pending:
         raise KeyError(f"checkpoint in {model_dir} lacks weights: {sorted(missing | set(pending))[:8]}")
     model.init_rope(dtype)
-    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16) and not native_low_precision_matmul():
+    if torch.device(device).type == "cpu" and (dtype == torch.float32 or (
+            dtype in (torch.bfloat16, torch.float16) and not native_low_precision_matmul())):
+        # fp32 models too: the wrapper shares their weights and sends few-row steps to cpu_linear
         model.use_fp32_matmul_weights()
     return model.eval()
