@@ -170,6 +170,45 @@ def test_policy_shrinks_k_for_a_request_whose_drafts_fail_and_caps_a_large_batch
     assert fixed.num_draft_tokens("a") == 3 and fixed.step_budget(8) == 24 and fixed.step_budget(9) == 0
 
 
+def test_adaptive_cap_follows_acceptance_and_is_shared_evenly():
+    from types import SimpleNamespace
+
+    from pdserve.shared.engine.spec_decode.policy import draft_token_cap
+    from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder
+
+    # round(32 * a / (1 - a)), a clipped to [0.02, 0.95], at least 4
+    assert [draft_token_cap(a, 32) for a in (0.5, 0.8, 0.2, 0.99, 0.0)] == [32, 128, 8, 608, 4]
+    policy = SpecPolicy(k=4, adaptive=True, disable_by_batch_size=None)
+    assert policy.step_budget(64) == 32  # nothing measured: acceptance 0.5
+    policy.record_step(10, 10)  # a = 0.75 * 0.5 + 0.25 * 1.0 = 0.625 -> round(32 * 0.625 / 0.375) = 53
+    assert policy.acceptance == 0.625 and policy.step_budget(64) == 53
+    policy.record_step(10, 0)  # a = 0.75 * 0.625 = 0.46875 -> round(32 * 0.46875 / 0.53125) = round(28.2) = 28
+    assert policy.step_budget(1) == 28
+    policy.record_step(0, 0)  # a step without drafts measures nothing
+    assert policy.acceptance == 0.46875
+
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2,
+                                          "prompt_lookup_min": 1})
+    spec = SpecDecoder(config, torch.Generator(), frozenset({0}), 100, 1024)
+
+    def running(n):  # decoding requests whose tokens repeat, so prompt lookup always proposes k
+        return [SimpleNamespace(request_id=f"r{i}", spec_token_ids=[], num_computed_tokens=39, num_tokens=40,
+                                prefill_only=False, max_tokens=100, num_output_tokens=8, all_token_ids=list(range(10)) * 4)
+                for i in range(n)]
+
+    spec.policy.acceptance = 0.8  # cap 128: 2 draft tokens each for 64 requests (the old rule: 4 each for the first 8)
+    batch = running(64)
+    spec.propose(batch)
+    assert [len(r.spec_token_ids) for r in batch] == [2] * 64
+    batch = running(3)  # a small batch: the cap is not binding, each request proposes k
+    spec.propose(batch)
+    assert [len(r.spec_token_ids) for r in batch] == [4] * 3
+    spec.policy.acceptance = 0.2  # cap 8 over 5 requests: ceil(8/5) = 2, 2, ceil(4/3) = 2, 1, 1
+    batch = running(5)
+    spec.propose(batch)
+    assert [len(r.spec_token_ids) for r in batch] == [2, 2, 2, 1, 1]
+
+
 def test_worker_metrics_export_vllm_spec_decode_counters():
     from pdserve.shared.worker.metrics import WorkerMetrics
 

@@ -74,11 +74,15 @@ class SpecDecoder:
         if len(self.policy.ema) > 2 * len(running) + 64:  # forget finished requests
             live = {r.request_id for r in running}
             self.policy.ema = {rid: v for rid, v in self.policy.ema.items() if rid in live}
+        candidates = []
         for request in running:
             request.spec_token_ids = []
-            if budget <= 0 or request.num_computed_tokens != request.num_tokens - 1 or request.prefill_only:
-                continue
-            k = min(self.policy.num_draft_tokens(request.request_id), budget,
+            if request.num_computed_tokens == request.num_tokens - 1 and not request.prefill_only:
+                candidates.append(request)
+        for i, request in enumerate(candidates):
+            if budget <= 0:
+                break
+            k = min(self.policy.num_draft_tokens(request.request_id), self.policy.share(budget, len(candidates) - i),
                     request.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens - 1)
             if k > 0:
@@ -102,6 +106,7 @@ class SpecDecoder:
                            [r.output_token_ids for r in requests], drafts, self.eos_token_ids, self.vocab_size)
         result = self.rejection_sampler(logits, drafts, md, [r.generator for r in requests],
                                         [self._draft_probs.get(r.request_id) for r in requests])
+        self.policy.record_step(sum(len(d) for d in drafts), sum(result.num_accepted))
         for request, draft, accepted in zip(requests, drafts, result.num_accepted):
             self.policy.record(request.request_id, len(draft), accepted)
             self.num_drafts += 1
