@@ -27,9 +27,11 @@ class Executor:
 
 
 def build_executor(config: EngineConfig, model_dir: str, model_config, dtype: torch.dtype,
-                   kv_spec: KVCacheSpec) -> Executor:
-    """Plan the KV pool and load the model (and start the ranks at N > 1). Raises ``ValueError`` for a KV budget
-    or a tensor-parallel split that cannot work, ``TPRankDied`` when a rank fails to start."""
+                   kv_spec: KVCacheSpec, draft_bytes_per_block: int = 0) -> Executor:
+    """Plan the KV pool and load the model (and start the ranks at N > 1). ``draft_bytes_per_block``: a
+    speculative draft model's KV bytes per block, counted in the KV memory (one process only). Raises
+    ``ValueError`` for a KV budget or a tensor-parallel split that cannot work, ``TPRankDied`` when a rank fails
+    to start."""
     from pdserve.kernels.backend import get_attention_backend
 
     backend = get_attention_backend(config.attention_backend, config.device)
@@ -38,6 +40,6 @@ def build_executor(config: EngineConfig, model_dir: str, model_config, dtype: to
 
         tp, plan = start_tensor_parallel(config, model_dir, model_config, dtype, plan_kv_cache)
         return Executor(plan, backend, tp.model, tp.kv_cache, tp)
-    plan = plan_kv_cache(config, model_config, kv_spec)
+    plan = plan_kv_cache(config, model_config, kv_spec, draft_bytes_per_block)
     model = load_model(model_dir, model_config, backend, dtype, config.device, plan.max_model_len)
     return Executor(plan, backend, model, KVCache(kv_spec, plan.num_blocks, plan.num_cpu_blocks, config.device), None)

@@ -1,7 +1,8 @@
 """How many KV blocks an engine gets, and the context limit that follows: a pure function of its config.
 
 ``num_kv_blocks`` wins; else ``kv_cache_memory_bytes``; else 256 MiB, raised to hold one full-length
-sequence. Block 0 is the null block, so a pool of ``num_blocks`` holds ``(num_blocks - 1) * block_size``
+sequence. With a speculative draft model, whose KV pool has one block per target block
+(``spec_decode/draft_model.py``), a block's bytes are the target's plus the draft's, so the memory holds both. Block 0 is the null block, so a pool of ``num_blocks`` holds ``(num_blocks - 1) * block_size``
 tokens; ``max_model_len`` defaults to the smaller of that and the model's ``max_position_embeddings``.
 """
 
@@ -25,22 +26,25 @@ class KVCachePlan:
     max_model_len: int
 
 
-def plan_kv_cache(config: EngineConfig, model_config, kv_spec: KVCacheSpec) -> KVCachePlan:
+def plan_kv_cache(config: EngineConfig, model_config, kv_spec: KVCacheSpec,
+                  draft_bytes_per_block: int = 0) -> KVCachePlan:
     """Size the KV pools for ``config`` (``model_config``: anything with ``max_position_embeddings``,
-    8192 when absent). Raises ``ValueError`` when the memory holds no block, or ``max_model_len`` exceeds
-    the model's positions or the pool."""
+    8192 when absent; ``draft_bytes_per_block``: a draft model's KV bytes per block, 0 without one). Raises
+    ``ValueError`` when the memory holds no block, or ``max_model_len`` exceeds the model's positions or the pool."""
     model_max = int(getattr(model_config, "max_position_embeddings", 8192))
     bs = config.block_size
+    per_block = kv_spec.bytes_per_block + draft_bytes_per_block
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory_bytes is not None:
-        num_blocks = 1 + kv_spec.num_blocks_for(config.kv_cache_memory_bytes)
+        num_blocks = 1 + config.kv_cache_memory_bytes // per_block
     else:
         wanted = config.max_model_len or model_max
-        num_blocks = 1 + max(kv_spec.num_blocks_for(DEFAULT_KV_CACHE_BYTES), -(-wanted // bs))
+        num_blocks = 1 + max(DEFAULT_KV_CACHE_BYTES // per_block, -(-wanted // bs))
     if num_blocks < 2:
+        with_draft = f" with the draft model's {draft_bytes_per_block}" if draft_bytes_per_block else ""
         raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
-                         f"({kv_spec.bytes_per_block} bytes each)")
+                         f"({per_block} bytes each{with_draft})")
     capacity = (num_blocks - 1) * bs
     max_model_len = config.max_model_len
     if max_model_len is None:

@@ -54,7 +54,12 @@ class LLMEngine:
         self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)
         self.kv_spec = KVCacheSpec.from_model_config(mc, config.block_size, self.dtype)
-        ex = build_executor(config, self.model_dir, mc, self.dtype, self.kv_spec)
+        sc = config.speculative_config
+        draft_bytes = 0
+        if sc is not None and sc.method == "draft_model":  # the draft's KV pool shares the memory budget
+            draft_bytes = KVCacheSpec.from_model_config(load_config(resolve_model(sc.model)), config.block_size,
+                                                        self.dtype).bytes_per_block
+        ex = build_executor(config, self.model_dir, mc, self.dtype, self.kv_spec, draft_bytes)
         self.backend, self.model, self.kv_cache, self.tp, plan = ex.backend, ex.model, ex.kv_cache, ex.tp, ex.plan
         self.max_model_len = plan.max_model_len
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -66,7 +71,6 @@ class LLMEngine:
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer, self.model_dir)
-        sc = config.speculative_config
         draft = DraftModelProposer.load(self, sc.model) if sc is not None and sc.method == "draft_model" else None
         self.spec = None if sc is None else SpecDecoder(
             sc, self.sampler.generator, self.eos_token_ids, self.vocab_size, self.max_model_len, draft)

@@ -44,6 +44,17 @@ def test_default_is_256_mib_or_one_full_length_sequence():
     assert plan.num_blocks == 1 + DEFAULT_KV_CACHE_BYTES // 4096 and plan.max_model_len == 100
 
 
+def test_a_draft_models_kv_shares_the_memory():
+    # a block costs 4096 (target) + 1024 (draft) bytes: 10 * 5120 + 100 bytes buy 10 blocks, not 12
+    plan = plan_kv_cache(EngineConfig(kv_cache_memory_bytes=10 * 5120 + 100), MODEL, SPEC, draft_bytes_per_block=1024)
+    assert plan.num_blocks == 11 and plan.max_model_len == 160
+    assert plan_kv_cache(EngineConfig(), MODEL, SPEC, 1024).num_blocks == 1 + DEFAULT_KV_CACHE_BYTES // 5120
+    assert plan_kv_cache(EngineConfig(num_kv_blocks=9), MODEL, SPEC, 1024).num_blocks == 9  # explicit: as asked
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes=5119 holds no KV block \(5120 bytes each with "
+                                         r"the draft model's 1024\)$"):
+        plan_kv_cache(EngineConfig(kv_cache_memory_bytes=5119), MODEL, SPEC, 1024)
+
+
 def test_the_swap_pool_exists_only_under_swap_preemption():
     swap = EngineConfig(num_kv_blocks=9, preemption_mode="swap", swap_space_bytes="40KiB")
     assert plan_kv_cache(swap, MODEL, SPEC).num_cpu_blocks == 10

@@ -5,7 +5,7 @@ head and tokenizer), saved as a HF directory and read by the real loader. Oracle
 speculation. Greedy output equals it token for token through a prefix-cache hit, chunked prefill, preemption
 by recompute in the middle of speculation and n > 1 (the draft's KV is rebuilt by a draft prefill whenever its
 state is unknown); a seeded sampled request is reproducible and independent of its batch neighbours; a draft
-whose vocabulary differs is refused with an error naming it.
+whose vocabulary differs is refused with an error naming it; the draft's KV pool is counted in the KV memory.
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ def test_draft_model_seeded_sampling_ignores_neighbours(draft_dir, prompts):
     assert batch[0].outputs[0].token_ids == alone
     stats = spec.llm_engine.get_stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["kv_blocks_used"] == 0
+    # the draft's KV pool (one block per target block) is counted in the default 256 MiB of KV memory
+    engine = spec.llm_engine
+    per_block = engine.kv_spec.bytes_per_block + engine.spec.draft.kv_cache.spec.bytes_per_block
+    assert engine.kv_cache.num_blocks == engine.spec.draft.kv_cache.num_blocks == 1 + 256 * 2**20 // per_block
 
 
 @pytest.mark.slow
