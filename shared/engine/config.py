@@ -40,6 +40,11 @@ class EngineConfig:
     attention_backend: ``auto`` | ``cpu`` | ``torch`` | ``triton`` (``kernels/backend.py``).
     tensor_parallel_size: ranks (processes) the model's heads are split over, Megatron-style; 1 runs in-process
         (``shared/engine/tp_executor.py``).
+    nnodes / master_addr / master_port / tp_join_timeout_s: multi-node tensor parallelism (vLLM's ``--nnodes``,
+        ``--master-addr``, ``--master-port``): the ranks spread over ``nnodes`` nodes (pods), ``tensor_parallel_size
+        // nnodes`` each; this engine is node 0 and holds the rendezvous (a ``TCPStore``) on ``master_port`` (0: a
+        free port, one node only); nodes 1.. run ``pdserve tp-worker --node-rank K --master-addr ADDR`` and must
+        join within ``tp_join_timeout_s`` seconds.
     speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; parsed into a ``SpeculativeConfig`` (None: off).
     """
@@ -62,6 +67,10 @@ class EngineConfig:
     enable_kv_events: bool = False
     speculative_config: dict | str | SpeculativeConfig | None = None
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    tp_join_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
@@ -83,6 +92,12 @@ class EngineConfig:
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes "
+                             f"({self.nnodes}): every node runs the same number of ranks")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise ValueError(f"nnodes={self.nnodes} needs master_port (the rendezvous port the other nodes "
+                             f"connect to), got {self.master_port}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:

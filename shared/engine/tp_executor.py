@@ -11,6 +11,15 @@ test_security_static.py), not even between a pod's own ranks.
 
 A rank that dies closes its gloo connections: the collective rank 0 is in fails, and ``TPRankDied`` names the
 rank; a watchdog thread also notices a death between steps (``on_death``: the worker pods exit there).
+
+Multi-node (``nnodes`` > 1, vLLM's ``--nnodes``/``--node-rank``/``--master-addr``/``--master-port``): node K runs
+ranks ``K * per_node .. K * per_node + per_node - 1`` (``per_node = tensor_parallel_size // nnodes``). Node 0 is the
+engine; it holds the rendezvous ``TCPStore`` on ``master_port`` and writes the set-up there (model name, dtype, KV
+plan: msgpack, no pickle). Nodes 1.. are ``pdserve tp-worker`` processes (``run_tp_node``): they read the set-up,
+say they joined, start their ranks and beat a heartbeat counter in the store every ``HEARTBEAT_S``. Rank 0's
+watchdog counts a node whose counter stands still for ``HEARTBEAT_TIMEOUT_S`` as dead (a pod or a network gone
+does not always close a connection); a node that loses the store exits. In Kubernetes a LeaderWorkerSet runs
+the nodes (``helm/pdserve/templates/_tier.tpl``).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import multiprocessing
 import os
 import socket
 import threading
+import time
 import weakref
 
 import msgpack
@@ -34,10 +44,30 @@ logger = logging.getLogger(__name__)
 
 # Backstop for a collective that never completes (a peer hung, not dead): rank 0 gives up after this.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PDSERVE_TP_TIMEOUT_S", "300")))
+HEARTBEAT_S = 0.5  # a remote node's heartbeat period
+# a remote node whose heartbeat stands still this long is dead: 10 periods, well above a scheduling hiccup
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("PDSERVE_TP_HEARTBEAT_TIMEOUT_S", "5"))
+SETUP_KEY = "pdserve/tp/setup"
+
+
+def _joined_key(node: int) -> str:
+    return f"pdserve/tp/joined/{node}"
+
+
+def _heartbeat_key(node: int) -> str:
+    return f"pdserve/tp/heartbeat/{node}"
 
 
 class TPRankDied(RuntimeError):
     """A tensor-parallel rank process exited or stopped answering; the engine cannot continue."""
+
+
+class TPNodeError(RuntimeError):
+    """A ``pdserve tp-worker`` node cannot reach its leader, lost it, or lost one of its own ranks (one line)."""
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def _free_port() -> int:
@@ -115,8 +145,9 @@ def _md_on(md, device):
                              {"qsl": md.cache["qsl"]} if "qsl" in md.cache else {})
 
 
-def rank_device(device: str, rank: int) -> str:
-    return f"cuda:{rank}" if device.startswith("cuda") else device
+def rank_device(device: str, local_rank: int) -> str:
+    """The device of the rank that is ``local_rank``-th on its node (one GPU per rank on a node)."""
+    return f"cuda:{local_rank}" if device.startswith("cuda") else device
 
 
 def _build_rank(config, model_dir, model_config, dtype, shard: TPShard, plan, max_model_len: int):
@@ -124,7 +155,7 @@ def _build_rank(config, model_dir, model_config, dtype, shard: TPShard, plan, ma
     from pdserve.kernels.backend import get_attention_backend
     from pdserve.shared.models.loader import load_model
 
-    device = rank_device(config.device, shard.rank)
+    device = rank_device(config.device, shard.rank % (shard.size // config.nnodes))
     backend = get_attention_backend(config.attention_backend, device)
     model = load_model(model_dir, model_config, backend, dtype, device, max_model_len, shard)
     spec = local_kv_spec(model_config, config.block_size, dtype, shard.size)
@@ -138,11 +169,11 @@ def local_kv_spec(model_config, block_size: int, dtype, tp_size: int) -> KVCache
     return KVCacheSpec(full.num_layers, heads, full.head_dim, block_size, dtype)
 
 
-def _rank_main(rank: int, size: int, port: int, config, model_dir, model_config, dtype, plan,
+def _rank_main(rank: int, size: int, addr: str, port: int, config, model_dir, model_config, dtype, plan,
                max_model_len: int) -> None:
     """Process entry of rank ``rank`` > 0: join the groups, load the shard, then obey rank 0 until ``stop``."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size // config.nnodes)))
+    store = dist.TCPStore(addr, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     ctrl, compute = _groups(store, rank, size, config.device)
     model, kv = _build_rank(config, model_dir, model_config, dtype, TPShard(rank, size, compute), plan, max_model_len)
     caches = [kv.layer(i) for i in range(kv.spec.num_layers)]
@@ -175,20 +206,31 @@ class TPWorkers:
 
     def __init__(self, config, model_dir, model_config, dtype, plan, max_model_len: int) -> None:
         size = config.tensor_parallel_size
-        self.size = size
-        port = _free_port()
+        self.size, self.nnodes, per_node = size, config.nnodes, size // config.nnodes
+        port = config.master_port or _free_port()
+        # the server listens on every interface: nodes 1.. connect to master_addr (the leader pod's address)
         store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
                               wait_for_workers=False)
+        self._store, self._node_dead = store, None
+        if config.nnodes > 1:
+            store.set(SETUP_KEY, _pack({"model": config.model, "dtype": str(dtype).removeprefix("torch."),
+                                        "block_size": config.block_size, "device": config.device,
+                                        "attention_backend": config.attention_backend, "tensor_parallel_size": size,
+                                        "nnodes": config.nnodes, "model_dir": str(model_dir),
+                                        "plan": [plan.num_blocks, plan.num_cpu_blocks, max_model_len]}))
         # fork on CPU (vLLM's default too): a rank starts in a moment instead of importing torch and transformers
         # again; CUDA cannot be forked once initialised, so spawn there (the caller then needs a __main__ guard)
         ctx = multiprocessing.get_context("spawn" if config.device.startswith("cuda") else "fork")
-        self.procs = [ctx.Process(target=_rank_main, name=f"pdserve-tp-rank{r}", daemon=True,
-                                  args=(r, size, port, config, model_dir, model_config, dtype, plan, max_model_len))
-                      for r in range(1, size)]
+        self.procs = [ctx.Process(target=_quiet_rank_main, name=f"pdserve-tp-rank{r}", daemon=True,
+                                  args=(r, size, "127.0.0.1", port, config, model_dir, model_config, dtype, plan,
+                                        max_model_len))
+                      for r in range(1, per_node)]
         for p in self.procs:
             p.start()
         self._closed = threading.Event()
         self._finalizer = weakref.finalize(self, _stop, self.procs, self._closed, None)
+        if config.nnodes > 1:
+            self._wait_for_nodes(config, port)
         self.ctrl, compute = self._guard(_groups, store, 0, size, config.device)
         self.shard = TPShard(0, size, compute)
         self.model, kv = _build_rank(config, model_dir, model_config, dtype, self.shard, plan, max_model_len)
@@ -200,16 +242,44 @@ class TPWorkers:
         self.on_death = None  # called (from the watchdog thread) with the TPRankDied when a rank exits
         threading.Thread(target=self._watch, name="pdserve-tp-watchdog", daemon=True).start()
 
+    def _wait_for_nodes(self, config, port: int) -> None:
+        """Block until nodes 1..nnodes-1 have read the set-up; ``TPRankDied`` (one line) after
+        ``tp_join_timeout_s``."""
+        deadline = time.monotonic() + config.tp_join_timeout_s
+        for node in range(1, config.nnodes):
+            while not self._store.check([_joined_key(node)]):
+                if time.monotonic() >= deadline:
+                    self._finalizer()
+                    raise TPRankDied(f"tensor-parallel node {node} of {config.nnodes} did not join the rendezvous on "
+                                     f"port {port} within {config.tp_join_timeout_s:g} s (run `pdserve tp-worker "
+                                     f"--node-rank {node} --master-addr <this pod's address> --master-port {port}`)")
+                time.sleep(0.1)
+
     def dead_rank(self) -> TPRankDied | None:
         """The ranks that exited, as one error; None while all live. A rank killed by a signal is named first: its
         peers then fail in their collective and exit too, a moment later, with code 1."""
         dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
         if not dead:
-            return None
+            return self._node_dead
         dead.sort(key=lambda rp: (rp[1].exitcode is None or rp[1].exitcode >= 0, rp[0]))
         (rank, p), others = dead[0], "".join(f", rank {r} (pid {q.pid}) with code {q.exitcode}" for r, q in dead[1:])
         return TPRankDied(f"tensor-parallel rank {rank} of {self.size} (pid {p.pid}) exited with code {p.exitcode}"
                           f"{others}; the engine cannot continue without it")
+
+    def _check_heartbeats(self, beats: dict[int, tuple[int, float]]) -> None:
+        """Record in ``_node_dead`` the first remote node whose heartbeat counter stood still too long."""
+        per_node, now = self.size // self.nnodes, time.monotonic()
+        for node in range(1, self.nnodes):
+            count = int(self._store.add(_heartbeat_key(node), 0))
+            last, since = beats.get(node, (-1, now))
+            if count != last:
+                beats[node] = (count, now)
+            elif now - since > HEARTBEAT_TIMEOUT_S:
+                self._node_dead = TPRankDied(
+                    f"tensor-parallel node {node} of {self.nnodes} (ranks {node * per_node}..{node * per_node + per_node - 1}"
+                    f" of {self.size}) sent no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s; the engine cannot continue "
+                    f"without it")
+                return
 
     def _guard(self, fn, *args):
         """Run a collective; a failure caused by a dead rank becomes ``TPRankDied`` naming it."""
@@ -221,10 +291,14 @@ class TPWorkers:
                 if dead is not None:
                     raise dead from e
                 self._closed.wait(0.1)
-            raise TPRankDied(f"tensor-parallel collective failed: {e}") from e
+            raise TPRankDied(f"tensor-parallel collective failed (a rank or its network is gone): "
+                             f"{_first_line(e)}") from e
 
     def _watch(self) -> None:
+        beats: dict[int, tuple[int, float]] = {}
         while not self._closed.wait(0.5):
+            if self.nnodes > 1 and self._node_dead is None:
+                self._check_heartbeats(beats)
             dead = self.dead_rank()
             if dead is not None:
                 logger.error("%s", dead)
@@ -314,3 +388,98 @@ def start_tensor_parallel(config, model_dir, model_config, dtype, plan_kv_cache)
     check_tp_split(mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size, config.tensor_parallel_size)
     plan = plan_kv_cache(config, mc, local_kv_spec(mc, config.block_size, dtype, config.tensor_parallel_size))
     return TPWorkers(config, model_dir, mc, dtype, plan, plan.max_model_len), plan
+
+
+def _quiet_rank_main(rank: int, size: int, addr: str, port: int, config, model_dir, model_config, dtype, plan,
+                     max_model_len: int) -> None:
+    """``_rank_main`` with its failure as a debug line and exit code 1: rank 0 or the node's supervisor says
+    what failed in one line; a traceback from every rank that lost its peers would only bury it."""
+    try:
+        _rank_main(rank, size, addr, port, config, model_dir, model_config, dtype, plan, max_model_len)
+    except BaseException as e:
+        # a peer gone (the leader, or another rank) fails the collective this rank waits in: the symptom, not news
+        lost_peer = "Connection closed by peer" in str(e) or "Connection reset by peer" in str(e)
+        logger.log(logging.DEBUG if lost_peer else logging.ERROR, "tensor-parallel rank %d: %s", rank, _first_line(e))
+        logging.shutdown()
+        os._exit(1)
+
+
+def _join_leader(node_rank: int, addr: str, port: int, join_timeout_s: float):
+    """Connect to the leader's rendezvous and read its set-up. Returns ``(store, setup)``; raises ``TPNodeError``."""
+    timeout = datetime.timedelta(seconds=join_timeout_s)
+    try:
+        store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        setup = _unpack(store.get(SETUP_KEY))
+    except RuntimeError as e:  # DistNetworkError/DistStoreError: refused, unresolvable or timed out
+        raise TPNodeError(f"cannot reach the tensor-parallel leader at {addr}:{port} within {join_timeout_s:g} s: "
+                          f"{_first_line(e)}") from e
+    if not 1 <= node_rank < setup["nnodes"]:
+        raise TPNodeError(f"node rank {node_rank} is not one of the leader's worker nodes 1..{setup['nnodes'] - 1}")
+    return store, setup
+
+
+def _start_node_ranks(node_rank: int, addr: str, port: int, setup) -> list:
+    """Start this node's rank processes from the leader's set-up (the model resolved and read on this node)."""
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.kv_plan import KVCachePlan
+    from pdserve.shared.models.loader import load_config
+    from pdserve.shared.models.resolve import resolve_model
+
+    config = EngineConfig(model=setup["model"], dtype=setup["dtype"], block_size=setup["block_size"],
+                          device=setup["device"], attention_backend=setup["attention_backend"],
+                          tensor_parallel_size=setup["tensor_parallel_size"], nnodes=setup["nnodes"],
+                          master_addr=addr, master_port=port)
+    model_dir = resolve_model(config.model)
+    model_config, dtype = load_config(model_dir), config.torch_dtype()
+    plan = KVCachePlan(*setup["plan"])
+    size, per_node = config.tensor_parallel_size, config.tensor_parallel_size // config.nnodes
+    ctx = multiprocessing.get_context("spawn" if config.device.startswith("cuda") else "fork")
+    procs = [ctx.Process(target=_quiet_rank_main, name=f"pdserve-tp-rank{r}", daemon=True,
+                         args=(r, size, addr, port, config, model_dir, model_config, dtype, plan, plan.max_model_len))
+             for r in range(node_rank * per_node, (node_rank + 1) * per_node)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _supervise(store, node_rank: int, procs: list, addr: str, port: int) -> None:
+    """Beat the heartbeat until the ranks stop; returns when all exited 0 (the leader's ``stop``), raises
+    ``TPNodeError`` when the leader is gone or a rank failed."""
+    while True:
+        try:
+            store.add(_heartbeat_key(node_rank), 1)
+        except RuntimeError as e:
+            for p in procs:  # a leader that stopped the ranks cleanly, then exited: not a failure
+                p.join(timeout=2)
+            if all(p.exitcode == 0 for p in procs):
+                return
+            raise TPNodeError(f"lost the tensor-parallel leader at {addr}:{port}: {_first_line(e)}") from e
+        if all(p.exitcode == 0 for p in procs):
+            return
+        failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
+        if failed is not None:
+            time.sleep(HEARTBEAT_S)  # the leader going away fails every rank: say that rather than the symptom
+            try:
+                store.add(_heartbeat_key(node_rank), 0)
+            except RuntimeError as e:
+                raise TPNodeError(f"lost the tensor-parallel leader at {addr}:{port}: {_first_line(e)}") from e
+            raise TPNodeError(f"tensor-parallel rank {failed.name.removeprefix('pdserve-tp-rank')} (node {node_rank}) "
+                              f"exited with code {failed.exitcode}")
+        time.sleep(HEARTBEAT_S)
+
+
+def run_tp_node(node_rank: int, master_addr: str, master_port: int, join_timeout_s: float = 60.0) -> None:
+    """Run node ``node_rank`` (>= 1) of a multi-node tensor-parallel engine whose node 0 listens on
+    ``master_addr:master_port``: join, start this node's ``tensor_parallel_size // nnodes`` ranks, heartbeat, and
+    return when the leader stops them. Raises ``TPNodeError`` (one line) when the leader cannot be reached within
+    ``join_timeout_s`` seconds, is lost later, or a rank of this node fails; this node's ranks are stopped then."""
+    store, setup = _join_leader(node_rank, master_addr, master_port, join_timeout_s)
+    procs = _start_node_ranks(node_rank, master_addr, master_port, setup)
+    try:
+        store.set(_joined_key(node_rank), b"1")
+        _supervise(store, node_rank, procs, master_addr, master_port)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)

@@ -71,6 +71,14 @@ class WorkerSettings(ServiceSettings):
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.'))
     tensor_parallel_size: int = Field(1, ge=1, description=(
         "Rank processes the model's heads are split over (tensor parallelism; 1: in-process)."))
+    # multi-node tensor parallelism (vLLM's names): this pod is node 0 of nnodes and holds the ranks' rendezvous;
+    # nodes 1.. are `pdserve tp-worker` pods (shared/engine/tp_executor.py; a LeaderWorkerSet in the chart)
+    nnodes: int = Field(1, ge=1, description=(
+        "Nodes (pods) the tensor-parallel ranks spread over; this pod is node 0, the others run `pdserve tp-worker`."))
+    master_port: int = Field(29500, ge=1, le=65535, description=(
+        "Port of the tensor-parallel rendezvous this pod holds when --nnodes > 1."))
+    tp_join_timeout_s: float = Field(60.0, gt=0, description=(
+        "Fail when the other tensor-parallel nodes have not joined within this long (s)."))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -80,4 +88,6 @@ class WorkerSettings(ServiceSettings):
             preemption_mode=self.preemption_mode, attention_backend=self.attention_backend, device=self.device,
             enable_kv_events=self.enable_kv_events and self.enable_prefix_caching,
             speculative_config=self.speculative_config, tensor_parallel_size=self.tensor_parallel_size,
+            nnodes=self.nnodes, master_port=self.master_port if self.nnodes > 1 else 0,
+            tp_join_timeout_s=self.tp_join_timeout_s,
         )

@@ -1,0 +1,21 @@
+"""A random 2-layer Llama (8 heads, 2 KV heads) saved as safetensors with the default model's tokenizer: small
+enough to start several tensor-parallel ranks in a test, loaded through the real loader."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+
+def make_tiny_llama(path, model_dir) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=256, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    for name in os.listdir(model_dir):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(model_dir, name), path)
+    return str(path)
