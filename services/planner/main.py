@@ -25,7 +25,8 @@ def command(**flags: Any) -> None:
 
     settings = PlannerSettings(**given(flags))
     setup_logging(settings.log_level)
-    planner = Planner(settings, KubeScaler(settings.namespace), redis.Redis.from_url(settings.redis_url))
+    scaler = KubeScaler(settings.namespace, kinds=settings.workload_kinds())
+    planner = Planner(settings, scaler, redis.Redis.from_url(settings.redis_url))
     app = create_app(PlannerLoop(planner, settings.interval_seconds))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
 

@@ -5,6 +5,8 @@ The Helm chart sets these from ``autoscaling.*`` and ``planner.*`` values (templ
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import AliasChoices, Field, model_validator
 
 from pdserve.shared.settings import ServiceSettings
@@ -26,6 +28,12 @@ class PlannerSettings(ServiceSettings):
                            validation_alias=AliasChoices("PDSERVE_NAMESPACE", "POD_NAMESPACE", "namespace"))
     prefill_deployment: str = Field("pdserve-prefill", description="Prefill Deployment to size.")
     decode_deployment: str = Field("pdserve-decode", description="Decode Deployment to size.")
+    # What those names are: a Deployment, or a LeaderWorkerSet (the chart's <tier>.multiNode mode: one replica is
+    # a leader pod and its tensor-parallel worker pods); both are scaled through their scale subresource.
+    prefill_workload_kind: Literal["Deployment", "LeaderWorkerSet"] = Field(
+        "Deployment", description="What --prefill-deployment names: Deployment or LeaderWorkerSet.")
+    decode_workload_kind: Literal["Deployment", "LeaderWorkerSet"] = Field(
+        "Deployment", description="What --decode-deployment names: Deployment or LeaderWorkerSet.")
     # Its pods export TTFT/TPOT histograms and the queue gauge; empty = do not scrape a router.
     router_deployment: str = Field("pdserve-router", description="Router Deployment whose pods export TTFT/TPOT "
                                                                  "('' = none).")
@@ -72,6 +80,10 @@ class PlannerSettings(ServiceSettings):
             if lo > hi:
                 raise ValueError(f"{tier}_min_replicas ({lo}) exceeds {tier}_max_replicas ({hi})")
         return self
+
+    def workload_kinds(self) -> dict[str, str]:
+        """Workload name -> kind, for ``KubeScaler(kinds=...)``."""
+        return {self.prefill_deployment: self.prefill_workload_kind, self.decode_deployment: self.decode_workload_kind}
 
     def policy(self, tier: str) -> TierPolicy:
         """The damping and bounds of ``tier`` ("prefill" | "decode")."""

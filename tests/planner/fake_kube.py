@@ -9,6 +9,10 @@ with the API server's shapes and rules as documented in the Kubernetes API refer
   PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale  merge-patch / strategic-merge-patch only
                                                                  (415 otherwise), 422 on negative replicas
   GET   /api/v1/namespaces/{ns}/pods?labelSelector=k=v,k2=v2    (v1 PodList, equality selectors)
+  GET/PATCH /apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets/{name}/scale
+        the LeaderWorkerSet CRD's scale subresource, with the same rules; its Scale's status.selector is the
+        leader pods' selector (the CRD's labelSelectorPath is .status.hpaPodSelector, which the LWS controller
+        sets to its name and worker index 0: kubernetes-sigs/lws, api/leaderworkerset/v1 and its controller)
 
 Unknown objects get 404 with a v1 Status body; a scale subresource outside ``scale_allowed`` gets 403, as the
 chart's Role (resourceNames: the prefill and decode Deployments) would. Every request is recorded.
@@ -55,16 +59,21 @@ class FakeKube:
     namespace: str = "llm"
     deployments: dict[str, FakeDeployment] = field(default_factory=dict)
     pods: list[FakePod] = field(default_factory=list)
+    # LeaderWorkerSets by name; ``labels`` of one is its hpaPodSelector (its leader pods' labels)
+    lws: dict[str, FakeDeployment] = field(default_factory=dict)
     requests: list[Recorded] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Deployments whose scale subresource the caller may get/patch (RBAC resourceNames); None = all.
     scale_allowed: set[str] | None = None
 
     def forbidden(self, kind: str, name: str | None) -> bool:
-        return kind == "scale" and self.scale_allowed is not None and name not in self.scale_allowed
+        return kind in ("scale", "lws_scale") and self.scale_allowed is not None and name not in self.scale_allowed
 
-    def scale_json(self, name: str) -> dict[str, Any]:
-        d = self.deployments[name]
+    def table(self, kind: str) -> dict[str, FakeDeployment]:
+        return self.lws if kind.startswith("lws") else self.deployments
+
+    def scale_json(self, name: str, kind: str = "scale") -> dict[str, Any]:
+        d = self.table(kind)[name]
         return {
             "apiVersion": "autoscaling/v1", "kind": "Scale",
             "metadata": {"name": name, "namespace": self.namespace, "resourceVersion": "1"},
@@ -127,6 +136,9 @@ def make_handler(state: FakeKube) -> type[BaseHTTPRequestHandler]:
                     and parts[5] == "deployments":
                 kind = "scale" if len(parts) == 8 and parts[7] == "scale" else "deployment" if len(parts) == 7 else ""
                 return kind, parts[6], query
+            if parts[:4] == ["apis", "leaderworkerset.x-k8s.io", "v1", "namespaces"] and len(parts) == 8 \
+                    and parts[4] == ns and parts[5] == "leaderworkersets" and parts[7] == "scale":
+                return "lws_scale", parts[6], query
             if parts == ["api", "v1", "namespaces", ns, "pods"]:
                 return "pods", None, query
             return "", None, query
@@ -143,8 +155,9 @@ def make_handler(state: FakeKube) -> type[BaseHTTPRequestHandler]:
             with state.lock:
                 if kind == "pods":
                     return self._send(200, state.pod_list_json(query.get("labelSelector", [""])[0]))
-                if kind in ("scale", "deployment") and name in state.deployments:
-                    return self._send(200, state.scale_json(name) if kind == "scale" else state.deployment_json(name))
+                if kind in ("scale", "deployment", "lws_scale") and name in state.table(kind):
+                    return self._send(200, state.deployment_json(name) if kind == "deployment"
+                                      else state.scale_json(name, kind))
             self._send(404, _status(404, "NotFound", f"{self.path} not found"))
 
         def do_PATCH(self) -> None:
@@ -158,7 +171,7 @@ def make_handler(state: FakeKube) -> type[BaseHTTPRequestHandler]:
             kind, name, _ = self._route()
             if state.forbidden(kind, name):
                 return self._send(403, _status(403, "Forbidden", f"cannot patch deployments/scale {name}"))
-            if kind != "scale" or name not in state.deployments:
+            if kind not in ("scale", "lws_scale") or name not in state.table(kind):
                 return self._send(404, _status(404, "NotFound", f"{self.path} not found"))
             if ctype not in PATCH_TYPES:
                 return self._send(415, _status(415, "UnsupportedMediaType",
@@ -172,9 +185,9 @@ def make_handler(state: FakeKube) -> type[BaseHTTPRequestHandler]:
                                                    f"Scale.autoscaling \"{name}\" is invalid: spec.replicas: "
                                                    f"Invalid value: {replicas}: must be greater than or equal to 0"))
                 with state.lock:
-                    state.deployments[name].replicas = replicas
+                    state.table(kind)[name].replicas = replicas
             with state.lock:
-                self._send(200, state.scale_json(name))
+                self._send(200, state.scale_json(name, kind))
 
     return Handler
 

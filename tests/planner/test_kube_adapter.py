@@ -110,3 +110,35 @@ def test_recorded_bodies_are_json(kube):
     state, api = kube
     KubeScaler("llm", api).set_replicas(PREFILL, 3)
     assert json.dumps(state.requests[-1].body) == '{"spec": {"replicas": 3}}'
+
+
+LWS_NAME = "demo-pdserve-decode"
+LEADERS = {"leaderworkerset.sigs.k8s.io/name": LWS_NAME, "leaderworkerset.sigs.k8s.io/worker-index": "0"}
+
+
+def test_a_leaderworkerset_tier_is_read_and_scaled_through_its_scale_subresource(kube):
+    from fake_kube import FakeDeployment
+
+    state, api = kube
+    del state.deployments[LWS_NAME]  # the multi-node decode tier is an LWS, not a Deployment
+    state.lws[LWS_NAME] = FakeDeployment(2, LEADERS)
+    scaler = KubeScaler("llm", api, kinds={LWS_NAME: "LeaderWorkerSet"})
+    scale = scaler.get_scale(LWS_NAME)
+    path = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/llm/leaderworkersets/{LWS_NAME}/scale"
+    assert (scale.spec_replicas, scale.status_replicas) == (2, 2)
+    # the leader pods only: one per replica, the pods that serve HTTP and export metrics
+    assert scale.selector == "leaderworkerset.sigs.k8s.io/name=demo-pdserve-decode,leaderworkerset.sigs.k8s.io/worker-index=0"
+    assert (state.requests[-1].method, state.requests[-1].path) == ("GET", path)
+    assert scaler.set_replicas(LWS_NAME, 4) == 4 and state.lws[LWS_NAME].replicas == 4
+    req = state.requests[-1]
+    assert req.method == "PATCH" and req.path.startswith(path) and "fieldManager=pdserve-planner" in req.path
+    assert (req.content_type, req.body) == ("application/merge-patch+json", {"spec": {"replicas": 4}})
+    # the same name read as a Deployment is not there: the kind decides the API path
+    with pytest.raises(KubeError, match="HTTP 404"):
+        KubeScaler("llm", api).get_scale(LWS_NAME)
+    # RBAC: an LWS whose scale the Role does not grant is a 403 like a Deployment's
+    state.lws["other"] = FakeDeployment(1, LEADERS)
+    with pytest.raises(KubeError, match="HTTP 403"):
+        KubeScaler("llm", api, kinds={"other": "LeaderWorkerSet"}).set_replicas("other", 2)
+    with pytest.raises(ValueError, match="workload kind must be one of"):
+        KubeScaler("llm", api, kinds={LWS_NAME: "StatefulSet"})

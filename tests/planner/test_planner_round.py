@@ -62,7 +62,7 @@ def make_planner(kube, redis_client, servers, **overrides):
         prefill_max_replicas=8, decode_max_replicas=8, scale_up_cooldown_seconds=0)
     settings = PlannerSettings(**(values | overrides))
     clock = Clock()
-    return Planner(settings, KubeScaler("llm", api), redis_client, clock=clock), clock
+    return Planner(settings, KubeScaler("llm", api, kinds=settings.workload_kinds()), redis_client, clock=clock), clock
 
 
 def test_a_round_sizes_both_tiers_from_redis_and_the_pods_metrics(kube, redis_server, metrics_servers):
@@ -215,3 +215,26 @@ def test_ttft_and_tpot_come_from_the_router_pods_within_the_planners_rbac(kube, 
     assert decisions["decode"].recommended == 4 and "TPOT" in decisions["decode"].reason
     assert 'pdserve:planner_errors_total{stage="kubernetes"}' not in planner.metrics.render().decode()
     assert not [q for q in state.requests if "demo-pdserve-router/scale" in q.path]
+
+
+def test_a_multi_node_decode_tier_scales_its_leaderworkerset_replicas(kube, redis_server, metrics_servers):
+    from fake_kube import FakeDeployment
+
+    state, _ = kube
+    del state.deployments[DECODE]
+    leaders = {"leaderworkerset.sigs.k8s.io/name": DECODE, "leaderworkerset.sigs.k8s.io/worker-index": "0"}
+    state.lws[DECODE] = FakeDeployment(2, leaders)
+    workers = {"leaderworkerset.sigs.k8s.io/name": DECODE, "leaderworkerset.sigs.k8s.io/worker-index": "1"}
+    # two groups (leader + one worker pod each); one more worker pod still Pending must not hold the scale-up:
+    # only leader pods stand for replicas
+    state.pods = [FakePod("p-0", PREFILL_LABELS), FakePod("d-0", leaders), FakePod("d-1", leaders),
+                  FakePod("d-0-1", workers), FakePod("d-1-1", workers, "Pending", False, None)]
+    r = redis.Redis.from_url(redis_server.url)
+    metrics_servers["prefill"].text = prefill_metrics(0)
+    metrics_servers["decode"].text = decode_metrics(0.9)
+    planner, _ = make_planner(kube, r, metrics_servers, decode_workload_kind="LeaderWorkerSet")
+    decisions = {d.tier: d for d in planner.run_once()}
+    # decode: ceil(2 leaders * 0.9 / 0.75) = 3 groups
+    assert (decisions["decode"].action, decisions["decode"].desired) == (SCALE_UP, 3)
+    assert state.lws[DECODE].replicas == 3
+    assert any(q.method == "PATCH" and "/leaderworkersets/" in q.path for q in state.requests)
