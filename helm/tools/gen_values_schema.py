@@ -102,11 +102,15 @@ EGRESS_RULE = obj({"to": PEERS, "ports": {"type": "array", "items": NP_PORT}})
 
 POS = {"type": "number", "exclusiveMinimum": 0}
 FRAC = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+# <tier>.multiNode: a LeaderWorkerSet group of `nodes` pods per replica (nodes must divide tensorParallelSize:
+# the templates fail on that, JSON Schema cannot say it)
+MULTI_NODE = obj({"enabled": B, "nodes": {"type": "integer", "minimum": 2}, "masterPort": PORT,
+                  "joinTimeoutSeconds": POS})
 
 schema = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "pdserve chart values",
-    "$defs": {"resources": RES, "env": ENV, "pdb": PDB, "shm": SHM, "networkPolicyPeer": PEER},
+    "$defs": {"resources": RES, "env": ENV, "pdb": PDB, "shm": SHM, "networkPolicyPeer": PEER, "multiNode": MULTI_NODE},
     **obj({
         "global": MAP,
         "nameOverride": S,
@@ -162,8 +166,9 @@ schema = {
         "router": tier({"service": obj({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "port": PORT, "annotations": STRMAP}),
                         "shutdownGraceSeconds": {"type": "number", "minimum": 0}, "preStopSleepSeconds": I0}),
         "registry": tier(),
-        "prefill": tier({"tensorParallelSize": I1}, gpu=True),
-        "decode": tier({"kvPort": PORT, "speculativeConfig": SPEC, "tensorParallelSize": I1}, gpu=True),
+        "prefill": tier({"tensorParallelSize": I1, "multiNode": {"$ref": "#/$defs/multiNode"}}, gpu=True),
+        "decode": tier({"kvPort": PORT, "speculativeConfig": SPEC, "tensorParallelSize": I1,
+                        "multiNode": {"$ref": "#/$defs/multiNode"}}, gpu=True),
         "planner": tier({"intervalSeconds": I1, "dryRun": B}, replicas=False, pdb=False),
         "autoscaling": obj({
             "mode": {"enum": ["none", "hpa", "keda", "planner"]},
@@ -190,6 +195,7 @@ schema = {
             "keda": obj({"from": PEERS}),
             "allowExternalEgress": B,
             "extraEgress": {"type": "array", "items": EGRESS_RULE},
+            "rankPorts": obj({"start": PORT, "end": PORT}, required=["start", "end"]),
         }, required=["enabled"]),
         "serviceMonitor": obj({"enabled": B, "interval": S, "scrapeTimeout": S, "labels": STRMAP}),
         "loadtest": obj({"enabled": B, "args": {"type": "array", "items": S}, "backoffLimit": I0,

@@ -21,6 +21,7 @@ VALUES_FILES = {
     "planner": CHART / "ci" / "planner-values.yaml",
     "external-redis": CHART / "ci" / "external-redis-values.yaml",
     "gpu": CHART / "values-gpu.yaml",
+    "multinode": CHART / "ci" / "multinode-values.yaml",
 }
 
 
@@ -55,3 +56,21 @@ def render_docs(chart, values: dict[str, Any] | None = None) -> list[dict[str, A
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def pod_templates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The pod templates a workload runs: ``{"": template}`` for a Deployment, StatefulSet or Job; ``{"leader": ...,
+    "worker": ...}`` for a LeaderWorkerSet (the chart's multi-node tiers); ``{}`` for anything else."""
+    if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+        return {"": doc["spec"]["template"]}
+    if doc["kind"] == "LeaderWorkerSet":
+        lwt = doc["spec"]["leaderWorkerTemplate"]
+        return {"leader": lwt.get("leaderTemplate", lwt["workerTemplate"]), "worker": lwt["workerTemplate"]}
+    return {}
+
+
+def pod_template(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The pod template of the tier workload ``name``: a Deployment's, or a LeaderWorkerSet's leader's (the pod that
+    serves the tier)."""
+    (doc,) = [d for d in docs if d["metadata"]["name"] == name and d["kind"] in ("Deployment", "LeaderWorkerSet")]
+    return pod_templates(doc).get("", pod_templates(doc).get("leader"))

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import kubernetes_validate
 import pytest
 
-from chart_render import NAMESPACE, RELEASE, VALUES_FILES, by_kind, helm, load_all, load_values, render_docs
+from chart_render import NAMESPACE, RELEASE, VALUES_FILES, by_kind, helm, load_all, load_values, pod_templates, render_docs
 
 COMPONENT = "app.kubernetes.io/component"
 NS_NAME = "kubernetes.io/metadata.name"  # set by the API server on every namespace
@@ -133,22 +133,34 @@ def allowed(policies, src: Endpoint, dst: Endpoint, port: int, protocol: str = "
 # --- the release's pods, and where each of them connects ----------------------------------------------------
 
 
+# Where gloo and NCCL listen between the ranks of a multi-node tier: ports the kernel picks from
+# net.ipv4.ip_local_port_range, whose default is 32768-60999 (Linux Documentation/networking/ip-sysctl.rst).
+# Every pod of a LeaderWorkerSet gets its two ends as "ports" here, so the tests below probe them.
+EPHEMERAL = (32768, 60999)
+
+
 def pods(docs, namespace: str = NAMESPACE, first_ip: int = 10) -> dict[str, Endpoint]:
-    """One Endpoint per workload of the rendering, by component (router, registry, ..., redis, loadtest)."""
+    """One Endpoint per workload of the rendering, by component (router, registry, ..., redis, loadtest; a
+    LeaderWorkerSet's leader and worker pods, the worker named ``...#worker``)."""
     out = {}
-    for i, d in enumerate(d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")):
-        t = d["spec"]["template"]
+    templates = [(d, role, t) for d in docs for role, t in pod_templates(d).items()]
+    for i, (d, role, t) in enumerate(templates):
         ports = {p["name"]: p["containerPort"] for c in t["spec"]["containers"] for p in c.get("ports", []) if "name" in p}
+        if role:
+            ports |= {"rank-lo": EPHEMERAL[0], "rank-hi": EPHEMERAL[1]}
         labels = t["metadata"]["labels"]
-        out[labels[COMPONENT]] = Endpoint(f"{labels['app.kubernetes.io/instance']}/{d['metadata']['name']}",
+        suffix = "#worker" if role == "worker" else ""
+        out[labels[COMPONENT]] = Endpoint(f"{labels['app.kubernetes.io/instance']}/{d['metadata']['name']}{suffix}",
                                           namespace, labels, f"10.1.{first_ip}.{i + 1}", ports)
     return out
 
 
 def env(docs, workload: str) -> dict[str, str]:
     """The environment a pod of ``workload`` starts with: its ConfigMaps (envFrom), then its env (later wins)."""
-    d = next(d for d in docs if d["metadata"]["name"] == workload and d["kind"] in ("Deployment", "Job"))
-    (c,) = d["spec"]["template"]["spec"]["containers"]
+    d = next(d for d in docs if d["metadata"]["name"] == workload and d["kind"] in ("Deployment", "Job", "LeaderWorkerSet"))
+    role = "worker" if workload.endswith("#worker") else ""
+    templates = pod_templates(d)
+    (c,) = templates.get(role, templates.get("leader"))["spec"]["containers"]
     out: dict[str, str] = {}
     for src in c.get("envFrom", []):
         out |= by_kind(docs, "ConfigMap")[src["configMapRef"]["name"]]["data"]
@@ -188,6 +200,9 @@ CLIENT = Endpoint("client outside the cluster", None, ip="203.0.113.7")
 #   loadtest -> --base-url (router Service)                  the Job's `pdserve bench serve`
 #   Prometheus -> each Service the ServiceMonitor selects, its endpoint port
 #   KEDA operator -> the redis-streams trigger's address
+#   <tier>-worker -> its leader : PDSERVE_MASTER_PORT  shared/engine/tp_executor.py (the ranks' TCPStore rendezvous)
+#   <tier>-worker <-> its leader, <-> other workers (more than 2 nodes): the collectives (gloo/NCCL pairs), on
+#                                 ports from EPHEMERAL
 # The registry dials only Redis; no pdserve process calls the planner, a prefill pod's HTTP port, or a decode
 # pod's KV port from anything but a prefill pod.
 REDIS_CLIENTS = ("router", "prefill", "decode", "registry", "planner")
@@ -228,6 +243,14 @@ def call_paths(docs) -> list[tuple[str, Endpoint, Endpoint, int]]:
                     (sp,) = [x for x in svc["spec"]["ports"] if x["name"] == ep["port"]]
                     dst, port = via_service(docs, svc["metadata"]["name"], sp["port"])
                     paths.append((f"Prometheus -> {dst.component} /metrics", PROMETHEUS, dst, port))
+    for tier in ("prefill", "decode"):
+        if f"{tier}-worker" in p:
+            leader, worker = p[tier], p[f"{tier}-worker"]
+            lenv = env(docs, full[tier])
+            paths.append((f"{tier}-worker -> {tier} rendezvous", worker, leader, int(lenv["PDSERVE_MASTER_PORT"])))
+            ranks = [(worker, leader), (leader, worker)] + [(worker, worker)] * (int(lenv["PDSERVE_NNODES"]) > 2)
+            for (src, dst), port in itertools.product(ranks, EPHEMERAL):
+                paths.append((f"{src.component} -> {dst.component} collectives", src, dst, port))
     for so in by_kind(docs, "ScaledObject").values():
         for trig in so["spec"]["triggers"]:
             if trig["type"] == "redis-streams" and "redis" in p:
@@ -360,7 +383,7 @@ def test_every_pod_of_the_release_is_isolated_by_exactly_its_own_policy(rendered
     assert len(pols) == len(p), case
     for pol in pols:
         selected = [c for c, e in p.items() if selector_matches(pol["spec"]["podSelector"], e.labels)]
-        assert selected == [pol["metadata"]["name"].rsplit("-", 1)[-1]], (case, pol["metadata"]["name"], selected)
+        assert [f"{RELEASE}-pdserve-{c}" for c in selected] == [pol["metadata"]["name"]], (case, pol["metadata"]["name"], selected)
 
 
 # --- the leaks are closed ---------------------------------------------------------------------------------

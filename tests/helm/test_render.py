@@ -10,12 +10,14 @@ import kubernetes_validate
 import pytest
 
 from chart_render import CHART, VALUES_FILES, by_kind, helm, load_values
+from lws_schema import validate_leaderworkerset
 
 KUBE_VERSIONS = ["1.29", "1.33"]
 
 # Custom resources have no schema in kubernetes-validate (it ships only the core API's OpenAPI). Their
 # required fields are checked by the tests below instead, against what KEDA, the Prometheus operator and
-# Gateway API document as required.
+# Gateway API document as required. A LeaderWorkerSet is validated against our schema of its CRD (lws_schema.py),
+# its pod templates against the core API's.
 CRD_KINDS = {
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("keda.sh/v1alpha1", "TriggerAuthentication"),
@@ -31,6 +33,9 @@ def test_every_manifest_validates_strictly(rendered, kube_version):
     errors = []
     for doc in docs:
         if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+            continue
+        if doc["kind"] == "LeaderWorkerSet":
+            errors += [f"LeaderWorkerSet/{doc['metadata']['name']}: {e}" for e in validate_leaderworkerset(doc, kube_version)]
             continue
         try:
             kubernetes_validate.validate(doc, kube_version, strict=True)

@@ -10,15 +10,14 @@ import base64
 
 import pytest
 
-from chart_render import RELEASE, by_kind, load_values, render_docs
+from chart_render import RELEASE, by_kind, load_values, pod_template, render_docs
 
 FULL = f"{RELEASE}-pdserve"
 
 
 def pod_environment(docs, tier: str) -> dict[str, str]:
     """The environment of ``tier``'s container as the kubelet would build it (fieldRefs given fixed values)."""
-    deploy = by_kind(docs, "Deployment")[f"{FULL}-{tier}"]
-    (c,) = deploy["spec"]["template"]["spec"]["containers"]
+    (c,) = pod_template(docs, f"{FULL}-{tier}")["spec"]["containers"]
     configmaps = by_kind(docs, "ConfigMap")
     secrets = by_kind(docs, "Secret")
     env: dict[str, str] = {}

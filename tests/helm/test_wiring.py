@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from chart_render import RELEASE, by_kind, load_values, render_docs
+from chart_render import RELEASE, by_kind, load_values, pod_template, pod_templates, render_docs
 
 FULL = f"{RELEASE}-pdserve"
 TIERS = ("router", "registry", "prefill", "decode")
 
 
 def pod_specs(docs):
-    """(owner, pod spec, pod labels) for every workload that runs pods."""
+    """(owner, pod spec, pod labels) for every workload that runs pods (a LeaderWorkerSet: its leader and worker
+    pods)."""
     for d in docs:
-        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
-            t = d["spec"]["template"]
-            yield f"{d['kind']}/{d['metadata']['name']}", t["spec"], t["metadata"].get("labels", {})
+        for role, t in pod_templates(d).items():
+            yield f"{d['kind']}/{d['metadata']['name']}{'#' + role if role else ''}", t["spec"], t["metadata"].get("labels", {})
 
 
 def containers(docs, name):
-    return by_kind(docs, "Deployment")[name]["spec"]["template"]["spec"]["containers"]
+    return pod_template(docs, name)["spec"]["containers"]
 
 
 def env_of(container):
@@ -28,18 +28,21 @@ def env_of(container):
 
 def test_every_service_selects_the_pods_of_its_workload(rendered):
     case, docs = rendered
-    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    # (workload, pod template): a LeaderWorkerSet's worker pods are no Service's (only its leader serves the tier)
+    workloads = [(d, t) for d in docs if d["kind"] in ("Deployment", "StatefulSet", "LeaderWorkerSet")
+                 for role, t in pod_templates(d).items() if role != "worker"]
     for svc in by_kind(docs, "Service").values():
         sel = svc["spec"]["selector"]
-        matching = [w for w in workloads.values() if sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        matching = [(w, t) for w, t in workloads if sel.items() <= t["metadata"]["labels"].items()]
         assert len(matching) == 1, (case, svc["metadata"]["name"], sel)
-        workload = matching[0]
+        workload, template = matching[0]
         # The Service fronts the workload of its own name (<fullname>-<tier>, Redis also via "-headless").
         assert workload["metadata"]["name"] == svc["metadata"]["name"].removesuffix("-headless"), (case, sel)
-        # ...and the workload's own selector agrees with its pod labels.
-        assert workload["spec"]["selector"]["matchLabels"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+        # ...and the workload's own selector agrees with its pod labels (an LWS has none: it selects by its own).
+        if "selector" in workload["spec"]:
+            assert workload["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
         # Each Service port targets a named container port that exists.
-        names = {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        names = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in names, (svc["metadata"]["name"], port)
     for tier in TIERS:

@@ -170,154 +170,177 @@ spec:
     matchLabels:
       {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
   template:
-    metadata:
-      labels:
-        {{- include "pdserve.labels" $ctx | nindent 8 }}
-        {{- with $cfg.podLabels }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-      annotations:
-        # Roll the pods when the configuration they read changes.
-        checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
-        {{- with .secretChecksum }}
-        # ...and when the chart-managed secrets they read change (an API key rotated with helm upgrade).
-        checksum/secrets: {{ . }}
-        {{- end }}
-        {{- with $cfg.podAnnotations }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-    spec:
-      serviceAccountName: {{ .serviceAccountName }}
-      {{- with $root.Values.imagePullSecrets }}
-      imagePullSecrets:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $cfg.runtimeClassName }}
-      runtimeClassName: {{ . }}
-      {{- end }}
+    {{- include "pdserve.podTemplate" . | nindent 4 }}
+{{- end }}
+
+{{/*
+A pdserve pod template (metadata + spec): a Deployment's pods, a LeaderWorkerSet's leader and worker pods.
+Call with the dict of pdserve.deployment, plus optionally:
+  container   the container's name (default: component)
+  args        the container's args (default: [component])
+  ranks       tensor-parallel ranks in this pod; on cuda with tensorParallelSize > 1, its GPUs (default: the
+              tier's tensorParallelSize)
+  rankWorker  true for a LeaderWorkerSet's worker pod (`pdserve tp-worker`): no HTTP server (no probes), no Redis
+*/}}
+{{- define "pdserve.podTemplate" -}}
+{{- $root := .root -}}
+{{- $cfg := .cfg -}}
+{{- $ctx := dict "root" $root "component" .component -}}
+{{- $ranks := int (.ranks | default ($cfg.tensorParallelSize | default 1)) -}}
+metadata:
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+    {{- with $cfg.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    # Roll the pods when the configuration they read changes.
+    checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+    {{- with .secretChecksum }}
+    # ...and when the chart-managed secrets they read change (an API key rotated with helm upgrade).
+    checksum/secrets: {{ . }}
+    {{- end }}
+    {{- with $cfg.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ .serviceAccountName }}
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $cfg.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  terminationGracePeriodSeconds: {{ $cfg.terminationGracePeriodSeconds | default 30 }}
+  containers:
+    - name: {{ .container | default .component }}
+      image: {{ include "pdserve.image" $root | quote }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      args: {{ .args | default (list .component) | toJson }}
       securityContext:
-        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
-      terminationGracePeriodSeconds: {{ $cfg.terminationGracePeriodSeconds | default 30 }}
-      containers:
-        - name: {{ .component }}
-          image: {{ include "pdserve.image" $root | quote }}
-          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          args: [{{ .component | quote }}]
-          securityContext:
-            {{- toYaml $root.Values.securityContext | nindent 12 }}
-          ports:
-            {{- range .ports }}
-            - name: {{ .name }}
-              containerPort: {{ .containerPort }}
-              protocol: TCP
-            {{- end }}
-          envFrom:
-            - configMapRef:
-                name: {{ include "pdserve.fullname" $root }}-config
-          env:
-            - name: POD_NAME
-              valueFrom:
-                fieldRef:
-                  fieldPath: metadata.name
-            - name: POD_NAMESPACE
-              valueFrom:
-                fieldRef:
-                  fieldPath: metadata.namespace
-            - name: POD_IP
-              valueFrom:
-                fieldRef:
-                  fieldPath: status.podIP
-            # Other pods reach this one on its IP (KV transfer, registry entries).
-            - name: PDSERVE_ADVERTISE_HOST
-              value: $(POD_IP)
-            - name: PDSERVE_PORT
-              value: {{ $cfg.port | quote }}
-            {{- with (include "pdserve.redisEnv" $root | trim) }}
-            {{- . | nindent 12 }}
-            {{- end }}
-            {{- with .env }}
-            {{- toYaml . | nindent 12 }}
-            {{- end }}
-            {{- with $root.Values.extraEnv }}
-            {{- toYaml . | nindent 12 }}
-            {{- end }}
-            {{- with $cfg.env }}
-            {{- toYaml . | nindent 12 }}
-            {{- end }}
-          startupProbe:
-            httpGet:
-              path: /health
-              port: http
-            periodSeconds: {{ $root.Values.probes.startup.periodSeconds }}
-            failureThreshold: {{ $root.Values.probes.startup.failureThreshold }}
-            timeoutSeconds: {{ $root.Values.probes.startup.timeoutSeconds }}
-          readinessProbe:
-            httpGet:
-              path: /health
-              port: http
-            periodSeconds: {{ $root.Values.probes.readiness.periodSeconds }}
-            failureThreshold: {{ $root.Values.probes.readiness.failureThreshold }}
-            timeoutSeconds: {{ $root.Values.probes.readiness.timeoutSeconds }}
-          livenessProbe:
-            httpGet:
-              path: /health
-              port: http
-            periodSeconds: {{ $root.Values.probes.liveness.periodSeconds }}
-            failureThreshold: {{ $root.Values.probes.liveness.failureThreshold }}
-            timeoutSeconds: {{ $root.Values.probes.liveness.timeoutSeconds }}
-          {{- /* tensor parallelism on GPUs: one GPU per rank */}}
-          {{- $res := deepCopy ($cfg.resources | default dict) }}
-          {{- if and (eq (toString $root.Values.engine.device) "cuda") (gt (int ($cfg.tensorParallelSize | default 1)) 1) }}
-          {{- $limits := merge (dict "nvidia.com/gpu" (int $cfg.tensorParallelSize)) (omit ($res.limits | default dict) "nvidia.com/gpu") }}
-          {{- $_ := set $res "limits" $limits }}
-          {{- end }}
-          resources:
-            {{- toYaml $res | nindent 12 }}
-          {{- with .lifecycle }}
-          lifecycle:
-            {{- toYaml . | nindent 12 }}
-          {{- end }}
-          volumeMounts:
-            - name: tmp
-              mountPath: /tmp
-            {{- if and $cfg.shm $cfg.shm.enabled }}
-            - name: dshm
-              mountPath: /dev/shm
-            {{- end }}
-            {{- if and (has .component (list "prefill" "decode")) $root.Values.model.volume.enabled }}
-            - name: model
-              mountPath: {{ $root.Values.model.volume.mountPath }}
-              readOnly: true
-            {{- end }}
-      volumes:
+        {{- toYaml $root.Values.securityContext | nindent 8 }}
+      {{- with .ports }}
+      ports:
+        {{- range . }}
+        - name: {{ .name }}
+          containerPort: {{ .containerPort }}
+          protocol: TCP
+        {{- end }}
+      {{- end }}
+      envFrom:
+        - configMapRef:
+            name: {{ include "pdserve.fullname" $root }}-config
+      env:
+        - name: POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        - name: POD_NAMESPACE
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.namespace
+        - name: POD_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
+        # Other pods reach this one on its IP (KV transfer, registry entries).
+        - name: PDSERVE_ADVERTISE_HOST
+          value: $(POD_IP)
+        - name: PDSERVE_PORT
+          value: {{ $cfg.port | quote }}
+        {{- if not .rankWorker }}
+        {{- with (include "pdserve.redisEnv" $root | trim) }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        {{- end }}
+        {{- with .env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        {{- with $root.Values.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        {{- with $cfg.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- if not .rankWorker }}
+      startupProbe:
+        httpGet:
+          path: /health
+          port: http
+        periodSeconds: {{ $root.Values.probes.startup.periodSeconds }}
+        failureThreshold: {{ $root.Values.probes.startup.failureThreshold }}
+        timeoutSeconds: {{ $root.Values.probes.startup.timeoutSeconds }}
+      readinessProbe:
+        httpGet:
+          path: /health
+          port: http
+        periodSeconds: {{ $root.Values.probes.readiness.periodSeconds }}
+        failureThreshold: {{ $root.Values.probes.readiness.failureThreshold }}
+        timeoutSeconds: {{ $root.Values.probes.readiness.timeoutSeconds }}
+      livenessProbe:
+        httpGet:
+          path: /health
+          port: http
+        periodSeconds: {{ $root.Values.probes.liveness.periodSeconds }}
+        failureThreshold: {{ $root.Values.probes.liveness.failureThreshold }}
+        timeoutSeconds: {{ $root.Values.probes.liveness.timeoutSeconds }}
+      {{- end }}
+      {{- /* tensor parallelism on GPUs: one GPU per rank of this pod */}}
+      {{- $res := deepCopy ($cfg.resources | default dict) }}
+      {{- if and (eq (toString $root.Values.engine.device) "cuda") (gt (int ($cfg.tensorParallelSize | default 1)) 1) }}
+      {{- $limits := merge (dict "nvidia.com/gpu" $ranks) (omit ($res.limits | default dict) "nvidia.com/gpu") }}
+      {{- $_ := set $res "limits" $limits }}
+      {{- end }}
+      resources:
+        {{- toYaml $res | nindent 8 }}
+      {{- with .lifecycle }}
+      lifecycle:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
         - name: tmp
-          emptyDir: {}
+          mountPath: /tmp
         {{- if and $cfg.shm $cfg.shm.enabled }}
         - name: dshm
-          emptyDir:
-            medium: Memory
-            {{- with $cfg.shm.sizeLimit }}
-            sizeLimit: {{ . }}
-            {{- end }}
+          mountPath: /dev/shm
         {{- end }}
         {{- if and (has .component (list "prefill" "decode")) $root.Values.model.volume.enabled }}
         - name: model
-          persistentVolumeClaim:
-            claimName: {{ required "model.volume.existingClaim is required when model.volume.enabled" $root.Values.model.volume.existingClaim }}
-            readOnly: true
+          mountPath: {{ $root.Values.model.volume.mountPath }}
+          readOnly: true
         {{- end }}
-      {{- with $cfg.nodeSelector }}
-      nodeSelector:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $cfg.tolerations }}
-      tolerations:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $cfg.affinity }}
-      affinity:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
+  volumes:
+    - name: tmp
+      emptyDir: {}
+    {{- if and $cfg.shm $cfg.shm.enabled }}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        {{- with $cfg.shm.sizeLimit }}
+        sizeLimit: {{ . }}
+        {{- end }}
+    {{- end }}
+    {{- if and (has .component (list "prefill" "decode")) $root.Values.model.volume.enabled }}
+    - name: model
+      persistentVolumeClaim:
+        claimName: {{ required "model.volume.existingClaim is required when model.volume.enabled" $root.Values.model.volume.existingClaim }}
+        readOnly: true
+    {{- end }}
+  {{- with $cfg.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $cfg.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $cfg.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
 {{- end }}
 
 {{/* A PodDisruptionBudget for a tier. Call with (dict "root" $ "component" "router" "cfg" .Values.router). */}}
