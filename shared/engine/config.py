@@ -40,11 +40,11 @@ class EngineConfig:
     attention_backend: ``auto`` | ``cpu`` | ``torch`` | ``triton`` (``kernels/backend.py``).
     tensor_parallel_size: ranks (processes) the model's heads are split over, Megatron-style; 1 runs in-process
         (``shared/engine/tp_executor.py``).
-    nnodes / master_addr / master_port / tp_join_timeout_s: multi-node tensor parallelism (vLLM's ``--nnodes``,
-        ``--master-addr``, ``--master-port``): the ranks spread over ``nnodes`` nodes (pods), ``tensor_parallel_size
-        // nnodes`` each; this engine is node 0 and holds the rendezvous (a ``TCPStore``) on ``master_port`` (0: a
-        free port, one node only); nodes 1.. run ``pdserve tp-worker --node-rank K --master-addr ADDR`` and must
-        join within ``tp_join_timeout_s`` seconds.
+    nnodes / master_port / tp_join_timeout_s: multi-node tensor parallelism (vLLM's ``--nnodes``,
+        ``--master-port``): the ranks spread over ``nnodes`` nodes (pods), ``tensor_parallel_size // nnodes`` each;
+        this engine is node 0 and holds the rendezvous (a ``TCPStore``, on every interface) on ``master_port`` (0: a
+        free port, one node only); nodes 1.. run ``pdserve tp-worker --node-rank K --master-addr <node 0's address>``
+        and must join within ``tp_join_timeout_s`` seconds.
     speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; parsed into a ``SpeculativeConfig`` (None: off).
     """
@@ -68,7 +68,6 @@ class EngineConfig:
     speculative_config: dict | str | SpeculativeConfig | None = None
     tensor_parallel_size: int = 1
     nnodes: int = 1
-    master_addr: str = "127.0.0.1"
     master_port: int = 0
     tp_join_timeout_s: float = 60.0
 

@@ -19,7 +19,7 @@ plan: msgpack, no pickle). Nodes 1.. are ``pdserve tp-worker`` processes (``run_
 say they joined, start their ranks and beat a heartbeat counter in the store every ``HEARTBEAT_S``. Rank 0's
 watchdog counts a node whose counter stands still for ``HEARTBEAT_TIMEOUT_S`` as dead (a pod or a network gone
 does not always close a connection); a node that loses the store exits. In Kubernetes a LeaderWorkerSet runs
-the nodes (``helm/pdserve/templates/_tier.tpl``).
+the nodes (``helm/pdserve/templates/_multinode.tpl``).
 """
 
 from __future__ import annotations
@@ -428,7 +428,7 @@ def _start_node_ranks(node_rank: int, addr: str, port: int, setup) -> list:
     config = EngineConfig(model=setup["model"], dtype=setup["dtype"], block_size=setup["block_size"],
                           device=setup["device"], attention_backend=setup["attention_backend"],
                           tensor_parallel_size=setup["tensor_parallel_size"], nnodes=setup["nnodes"],
-                          master_addr=addr, master_port=port)
+                          master_port=port)
     model_dir = resolve_model(config.model)
     model_config, dtype = load_config(model_dir), config.torch_dtype()
     plan = KVCachePlan(*setup["plan"])

@@ -140,3 +140,16 @@ def test_a_leader_whose_worker_node_never_joins_fails_with_one_line(tiny):
     assert str(e.value) == (f"tensor-parallel node 1 of 2 did not join the rendezvous on port {port} within 1 s (run "
                             f"`pdserve tp-worker --node-rank 1 --master-addr <this pod's address> --master-port "
                             f"{port}`)")
+
+
+def test_nnodes_must_divide_the_ranks_and_have_a_rendezvous_port():
+    from pdserve.shared.engine.config import EngineConfig
+
+    with pytest.raises(ValueError) as e:
+        EngineConfig(tensor_parallel_size=4, nnodes=3, master_port=29500)
+    assert str(e.value) == ("tensor_parallel_size (4) must be a multiple of nnodes (3): every node runs the same "
+                            "number of ranks")
+    with pytest.raises(ValueError) as e:
+        EngineConfig(tensor_parallel_size=4, nnodes=2)
+    assert str(e.value) == "nnodes=2 needs master_port (the rendezvous port the other nodes connect to), got 0"
+    assert EngineConfig(tensor_parallel_size=4, nnodes=2, master_port=29500).nnodes == 2
