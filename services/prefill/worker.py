@@ -100,7 +100,9 @@ class PrefillWorker(Worker):
             cap = self.settings.max_waiting_kv_bytes
             while cap and self.waiting_kv_bytes > cap:
                 await asyncio.sleep(0.1)
-            free = self._slots._value  # noqa: SLF001 — how many entries we may take now
+            # Every entry waiting, up to the free slots and one step's sequences: all of them reach the engine in
+            # one call (``_admit_batch``), so its next step prefills them together up to the token budget.
+            free = min(self._slots._value, self.settings.max_num_seqs)  # noqa: SLF001 — entries we may take now
             try:
                 entries = await self.redis.xreadgroup(keys.PREFILL_GROUP, self.settings.pod_id,
                                                       {keys.PREFILL_STREAM: ">"}, count=max(1, free), block=1000)
@@ -121,8 +123,7 @@ class PrefillWorker(Worker):
                 for _, messages in entries or []:
                     now = time.time()
                     self._delivered.update({msg_id: (request_id_of(fields), now) for msg_id, fields in messages})
-                    for msg_id, fields in messages:
-                        await self._admit(msg_id, fields)
+                    await self._admit_batch(messages)
                 self.metrics.queue_depth.set(await self.redis.xlen(keys.PREFILL_STREAM))
             except (RedisError, OSError) as exc:  # unacked entries stay pending: reclaimed later
                 logger.warning("admitting queue entries failed (%s)", exc)
@@ -201,51 +202,96 @@ class PrefillWorker(Worker):
         await retry_redis(ack, f"acknowledging {msg_id}", retry_s)
 
     async def _admit(self, msg_id, fields) -> None:
-        try:
-            await self._admit_entry(msg_id, fields)
-        finally:
-            self._delivered.pop(msg_id, None)
+        await self._admit_batch([(msg_id, fields)])
 
-    async def _admit_entry(self, msg_id, fields) -> None:
+    async def _admit_batch(self, messages: list) -> None:
+        """Admit delivered queue entries ``[(entry id, fields)]``: each is checked (decoded, not a duplicate, not
+        aborted), then every good one goes to the engine in one call between two steps, so the next step prefills
+        them together (up to ``max_num_batched_tokens``) instead of one per step. Bad entries are answered and
+        acknowledged here; good ones stay unacknowledged until their hand-over (``_transfer``)."""
+        ready: list[tuple[object, PrefillRequest]] = []
+        try:
+            for msg_id, fields in messages:
+                req = await self._check_entry(msg_id, fields)
+                if req is not None:
+                    ready.append((msg_id, req))
+            await self._admit_new(ready)
+        finally:
+            for _, req in ready:
+                self._admitting.pop(req.request_id, None)
+            for msg_id, _ in messages:
+                self._delivered.pop(msg_id, None)
+
+    async def _check_entry(self, msg_id, fields) -> PrefillRequest | None:
+        """The entry's request, now held in ``_admitting``; None when the entry was answered here (malformed, bad
+        sampling params, a duplicate of a request running here) or is one this worker already holds."""
         try:
             req = PrefillRequest.decode(fields)
         except BadSamplingParams as exc:
             await self._fail(msg_id, exc.request_id, str(exc), 400, "BadRequestError")
-            return
+            return None
         except MessageError as exc:
             logger.error("dropping malformed queue entry %s: %s", msg_id, exc)
             await self._ack(msg_id)
-            return
+            return None
         held = self.inflight[req.request_id][0] if req.request_id in self.inflight else \
             self._admitting.get(req.request_id)
         if held is not None:
             if held != msg_id:  # a second entry for a request running here (at-least-once): the first one answers
                 logger.info("dropping queue entry %s: request %s is already running here", msg_id, req.request_id)
                 await self._ack(msg_id)
-            return  # else our own reclaim loop delivered the entry we hold
+            return None  # else our own reclaim loop delivered the entry we hold
         self._admitting[req.request_id] = msg_id  # no await between the check and this
-        try:
-            with logging_request(req.request_id):
-                await self._admit_new(msg_id, req)
-        finally:
-            self._admitting.pop(req.request_id, None)
+        return req
 
-    async def _admit_new(self, msg_id, req: PrefillRequest) -> None:
-        if await self.is_aborted(req.request_id):
-            await self._ack(msg_id)
+    async def _admit_new(self, ready: list[tuple[object, PrefillRequest]]) -> None:
+        aborted = await self._aborted([req.request_id for _, req in ready])
+        admitted = []
+        for (msg_id, req), gone in zip(ready, aborted):
+            if gone:
+                await self._ack(msg_id)
+                continue
+            await self._slots.acquire()
+            self.inflight[req.request_id] = (msg_id, req)
+            self.requests[req.request_id] = Tracked(req.arrival_time, req.sampling_params.logprobs,
+                                                    admitted=time.time())
+            admitted.append((msg_id, req))
+        if not admitted:
             return
-        params = req.sampling_params
-        await self._slots.acquire()
-        self.inflight[req.request_id] = (msg_id, req)
-        self.requests[req.request_id] = Tracked(req.arrival_time, params.logprobs, admitted=time.time())
-        try:
-            await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
-                                           arrival_time=req.arrival_time, priority=req.priority,
-                                           cache_salt=req.cache_salt, prefill_only=True,
-                                           output_token_ids=req.output_token_ids, output_text_len=req.output_text_len)
-        except (RequestRejected, ValueError) as exc:
+        errors = await self.engine_thread.acall(self._add_requests, [req for _, req in admitted])
+        for (msg_id, req), exc in zip(admitted, errors):
+            if exc is None:
+                continue
             self._forget(req.request_id)
-            await self._fail(msg_id, req.request_id, str(exc), 400, "BadRequestError")
+            with logging_request(req.request_id):
+                if isinstance(exc, (RequestRejected, ValueError)):
+                    await self._fail(msg_id, req.request_id, str(exc), 400, "BadRequestError")
+                else:  # a bug on one request must not leave it held here, nor stop the others
+                    logger.error("adding request %s to the engine failed", req.request_id, exc_info=exc)
+                    await self._fail(msg_id, req.request_id, f"prefill failed: {exc!r}", 500, "InternalServerError")
+
+    def _add_requests(self, reqs: list[PrefillRequest]) -> list[Exception | None]:
+        """Engine thread, between two steps: add every request; per request, None or the error that refused it."""
+        errors: list[Exception | None] = []
+        for req in reqs:
+            try:
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                        arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
+                                        prefill_only=True, output_token_ids=req.output_token_ids,
+                                        output_text_len=req.output_text_len)
+                errors.append(None)
+            except Exception as exc:  # handed back to the loop, which answers that request alone
+                errors.append(exc)
+        return errors
+
+    async def _aborted(self, request_ids: list[str]) -> list[bool]:
+        """Whether each request was aborted before it got here (its marker key exists): one round trip."""
+        if not request_ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in request_ids:
+                pipe.exists(keys.aborted_key(rid))
+            return [bool(n) for n in await pipe.execute()]
 
     def _forget(self, request_id: str) -> None:
         if self.inflight.pop(request_id, None) is not None:

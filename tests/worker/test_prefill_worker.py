@@ -1,12 +1,16 @@
-"""The prefill worker on its own, against a real redis-server and no engine: the queue paths that end before the
-engine runs (a bad entry, a duplicate entry, Redis losing the consumer group) and what it reports to the registry.
-The engine paths (chunked prefill, abort between chunks) are in test_liveness.py; the hand-over in tests/e2e."""
+"""The prefill worker on its own, against a real redis-server: without an engine, the queue paths that end before the
+engine runs (a bad entry, a duplicate entry, Redis losing the consumer group) and what it reports to the registry;
+with the real engine (slow), how a burst of queued prompts is batched. The other engine paths (chunked prefill, abort
+between chunks) are in test_liveness.py; the hand-over in tests/e2e."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import msgpack
+import pytest
 
 from pdserve.services.prefill.worker import PrefillSettings, PrefillWorker
 from pdserve.shared.protocol import keys
@@ -30,6 +34,12 @@ def run(redis_url: str, scenario):
             await worker.redis.aclose()
             await worker.registry.aclose()
     return asyncio.run(main())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 async def deliver(worker: PrefillWorker) -> list[tuple[bytes, dict]]:
@@ -103,3 +113,53 @@ def test_the_registration_reports_the_prompt_tokens_it_holds_and_no_kv_port(redi
     info = run(redis_url, scenario)
     assert (info.role, info.pod_id, info.queued_prefill_tokens, info.kv_port, info.colocated) == \
         ("prefill", "prefill-0", 8, 0, False)
+
+
+@pytest.mark.slow
+def test_prompts_that_arrive_together_are_prefilled_together_and_each_gets_its_own_first_token(redis_url, prompt_of):
+    """32 prompts queued at once reach the engine together: the pod prefills them in one or two steps (peak batch
+    >= 16; before, it admitted one entry per step and peaked at 2), every entry is acknowledged, and each request's
+    first token is the one the same engine samples for that prompt alone (batching mixes no rows)."""
+    from pdserve.shared.protocol.sampling_params import SamplingParams as SP
+
+    n = 32
+    prompts = [prompt_of(12, offset=3 * i) for i in range(n)]  # 384 tokens < the 512 budget; under one KV block
+    settings = PrefillSettings(redis_url=redis_url, pod_id="prefill-batch", kv_cache_memory="32MiB",
+                               max_model_len=256, enable_kv_events=False,
+                               registry_url=f"http://127.0.0.1:{free_port()}")  # no registry: beats just fail
+
+    async def main():
+        worker = PrefillWorker(settings)
+        worker.http_port = 8002
+        for i, ids in enumerate(prompts):  # all queued before the worker reads its first entry
+            req = PrefillRequest(f"cmpl-b{i}-0", "m", ids, SP(max_tokens=1, temperature=0.0), "decode-0",
+                                 "127.0.0.1", 9, arrival_time=time.time())
+            await worker.redis.xadd(keys.PREFILL_STREAM, req.encode())
+        await worker.start()
+        try:
+            deadline = time.monotonic() + 300
+            while await worker.redis.xlen(keys.PREFILL_STREAM) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            stats = await worker.engine_thread.acall(worker.engine.get_stats)
+            firsts = []
+            for i in range(n):
+                events = [OutputEvent.decode(f) for _, f in await worker.redis.xrange(keys.output_stream(f"cmpl-b{i}-0"))]
+                firsts.append([t for e in events for t in e.token_ids])
+            pending = (await worker.redis.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP))["pending"]
+            return worker, stats, firsts, pending
+        finally:
+            await worker.stop()
+
+    worker, stats, firsts, pending = asyncio.run(main())
+    assert pending == 0 and all(len(f) == 1 for f in firsts), (pending, firsts)
+    assert stats["peak_num_running"] >= 16, stats
+    assert stats["num_steps"] <= 4, stats
+    engine = worker.engine  # its thread has stopped: the oracle runs each prompt alone on the same weights
+    alone = []
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"alone-{i}", ids, SP(max_tokens=1, temperature=0.0))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        alone.append(outs[-1].outputs[0].token_ids)
+    assert firsts == alone
