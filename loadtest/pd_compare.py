@@ -11,6 +11,7 @@ succeeds (a router is healthy before its workers have registered), and stopped w
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import sys
 from dataclasses import replace
@@ -22,6 +23,18 @@ import click
 from pdserve.loadtest.errors import LoadTestError
 
 MODES = {"disaggregated": ["--prefill", "1", "--decode", "1"], "colocated": ["--colocated"]}
+
+
+def pin_args(mode: str) -> list[str]:
+    """``pdserve up`` flags that pin each tier to its own cores, a stand-in for separate machines on one: prefill on
+    the first core this process may use and decode on the second (disaggregated), or the one decode worker on both
+    (colocated). The router, registry and Redis are not pinned. Needs two cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise LoadTestError(f"--pin needs two cores; this process may use {cores}")
+    if mode == "disaggregated":
+        return ["--prefill-cpus", str(cores[0]), "--decode-cpus", str(cores[1])]
+    return ["--decode-cpus", f"{cores[0]},{cores[1]}"]
 
 
 def up_unavailable_reason() -> str | None:
@@ -102,6 +115,8 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 @click.option("--mode", "modes", type=click.Choice(sorted(MODES)), multiple=True,
               help="Run only these (default both).")
 @click.option("--up-arg", "up_args", multiple=True, help="Extra argument for `pdserve up` (repeatable).")
+@click.option("--pin", is_flag=True, help="Pin each tier to its own cores: prefill on core 0 and decode on core 1, "
+              "against colocated on both (a stand-in for separate machines).")
 @click.option("--launch", "launches", multiple=True, metavar="MODE=COMMAND",
               help="Start MODE with COMMAND instead of `pdserve up` ({port} and {model} are filled in), "
                    "e.g. to compare other servers' configurations.")
@@ -110,7 +125,7 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 @click.option("--disable-tqdm", is_flag=True)
 def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, short_output_len, long_input_len,
                             long_output_len, request_rate, burstiness, max_concurrency, seed, endpoint, modes,
-                            up_args, launches, up_timeout, save_result, disable_tqdm) -> None:
+                            up_args, pin, launches, up_timeout, save_result, disable_tqdm) -> None:
     """Same workload against `pdserve up` disaggregated (1 prefill + 1 decode) and colocated; one table."""
     from pdserve.loadtest.benchmark import BenchOptions, prepare, run_prepared, run_sync, validate
     from pdserve.loadtest.client import ClientConfig
@@ -153,7 +168,7 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
                 cmd = [a.format(port=port, model=model) for a in shlex.split(custom[mode])]
             else:
                 cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model,
-                       *MODES[mode], *up_args]
+                       *MODES[mode], *(pin_args(mode) if pin else []), *up_args]
             click.echo(f"[{mode}] starting: {shlex.join(cmd)}", err=True)
             with running(cmd, url + "/health", timeout_s=up_timeout, serving_model=model):
                 opts = replace(base, client=replace(base.client, base_url=url), label=mode)
@@ -180,6 +195,8 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
         raise click.ClickException(str(exc)) from None
     click.echo(f"{n_short} short ({short_input_len} in / {short_output_len} out) + {n_long} long "
                f"({long_input_len} in / {long_output_len} out) at {request_rate:g} req/s, model {model}")
+    click.echo(f"{'pinned: ' + ', '.join(f'{m} {shlex.join(pin_args(m))}' for m in rows) if pin else 'not pinned'}"
+               f"; load average {os.getloadavg()[0]:.1f}")
     click.echo(table(rows))
     if save_result:
         save_json({"modes": rows}, Path(save_result))

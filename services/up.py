@@ -90,15 +90,23 @@ class Child:
     log_path: Path
     health_url: str | None = None  # GET -> 200 when ready
     redis_url: str | None = None  # PING when ready (the Redis child)
+    cpus: frozenset[int] | None = None  # the cores it may run on (None: any)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cpus = self.cpus
+
+        def setup() -> None:  # in the child between fork and exec
+            _die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: one killpg reaches its helpers too
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=setup if sys.platform.startswith("linux") else None,
             )
 
     @property
@@ -164,6 +172,10 @@ class UpOptions:
     engine: dict[str, str] = field(default_factory=dict)  # PDSERVE_* engine settings to forward
     prefill_tensor_parallel_size: int = 1
     decode_tensor_parallel_size: int = 1
+    prefill_cpus: frozenset[int] | None = None  # cores the prefill workers are pinned to (None: not pinned)
+    decode_cpus: frozenset[int] | None = None
+    prefill_threads: int | None = None  # torch threads per worker (None: ``worker_threads``)
+    decode_threads: int | None = None
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 10.0
 
@@ -201,6 +213,51 @@ def _speculative_config(ctx, param, value):
 
 def external_redis_url(opts: UpOptions) -> str | None:
     return opts.redis_url or os.environ.get("PDSERVE_REDIS_URL") or os.environ.get("REDIS_URL")
+
+
+def worker_threads(opts: UpOptions) -> dict[str, dict[str, str]]:
+    """Per tier, the ``PDSERVE_NUM_THREADS`` its workers get ({} for none: TP ranks set their own). An explicit
+    ``--prefill-threads``/``--decode-threads`` wins; otherwise the cores a worker may use (its pinned set, else this
+    process's) are split evenly among the engine workers that share them, at least 1 each, so two workers on one
+    machine do not each start one OpenMP thread per core and fight (issue 15)."""
+    prefill = 0 if opts.colocated else opts.num_prefill
+    counts = {"prefill": prefill, "decode": opts.num_decode}
+    cpus = {"prefill": opts.prefill_cpus, "decode": opts.decode_cpus}
+    explicit = {"prefill": opts.prefill_threads, "decode": opts.decode_threads}
+    tp = {"prefill": opts.prefill_tensor_parallel_size, "decode": opts.decode_tensor_parallel_size}
+    mine = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
+    out = {}
+    for tier in counts:
+        if tp[tier] > 1:
+            out[tier] = {}
+            continue
+        n = explicit[tier]
+        if n is None and os.environ.get("PDSERVE_NUM_THREADS"):  # the caller's own setting reaches every worker
+            out[tier] = {}
+            continue
+        if n is None:
+            cores = cpus[tier] or mine
+            sharing = sum(counts[t] for t in counts if (cpus[t] or mine) & cores)
+            n = max(1, len(cores) // max(1, sharing))
+        out[tier] = {"PDSERVE_NUM_THREADS": str(n)}
+    return out
+
+
+def parse_cpus(ctx, param, value: str | None) -> frozenset[int] | None:
+    """``0``, ``0,2`` or ``0-3`` (``taskset -c``'s list) -> the core numbers; None stays None."""
+    if value is None:
+        return None
+    cores: set[int] = set()
+    try:
+        for part in value.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise click.BadParameter(f"expected a core list like 0 or 0,2 or 0-3, got {value!r}") from None
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    if not cores or not cores <= allowed:
+        raise click.BadParameter(f"cores {sorted(cores)} are not among this process's {sorted(allowed)}")
+    return frozenset(cores)
 
 
 def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
@@ -242,19 +299,21 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
     children.append(Child(
         "registry", [*py, "registry", "--host", opts.host, "--port", str(registry_port)],  # Redis URL: env
         dict(common), log_dir / "registry.log", health_url=f"{registry_url}/health"))
+    threads = worker_threads(opts)
     for i in range(opts.num_decode):
         http, kv = free_port(), free_port()
         env = {**common, "PDSERVE_PORT": str(http), "PDSERVE_KV_PORT": str(kv), "PDSERVE_POD_ID": f"decode-{i}",
                "PDSERVE_TENSOR_PARALLEL_SIZE": str(opts.decode_tensor_parallel_size),
-               "PDSERVE_COLOCATED": "true" if opts.colocated or opts.num_prefill == 0 else "false"}
+               "PDSERVE_COLOCATED": "true" if opts.colocated or opts.num_prefill == 0 else "false",
+               **threads["decode"]}
         children.append(Child(f"decode-{i}", [*py, "decode"], env, log_dir / f"decode-{i}.log",
-                              health_url=f"http://{advertise}:{http}/health"))
+                              health_url=f"http://{advertise}:{http}/health", cpus=opts.decode_cpus))
     for i in range(0 if opts.colocated else opts.num_prefill):
         http = free_port()
         env = {**common, "PDSERVE_PORT": str(http), "PDSERVE_POD_ID": f"prefill-{i}",
-               "PDSERVE_TENSOR_PARALLEL_SIZE": str(opts.prefill_tensor_parallel_size)}
+               "PDSERVE_TENSOR_PARALLEL_SIZE": str(opts.prefill_tensor_parallel_size), **threads["prefill"]}
         children.append(Child(f"prefill-{i}", [*py, "prefill"], env, log_dir / f"prefill-{i}.log",
-                              health_url=f"http://{advertise}:{http}/health"))
+                              health_url=f"http://{advertise}:{http}/health", cpus=opts.prefill_cpus))
     if opts.router:
         env = {**common, "PDSERVE_PORT": str(opts.port), **({"PDSERVE_API_KEY": opts.api_key} if opts.api_key else {})}
         # its drain (grace, then error chunks) ends before ``stop`` would SIGKILL it
@@ -511,6 +570,14 @@ def run(opts: UpOptions) -> int:
               help="Rank processes per prefill worker (tensor parallelism).")
 @click.option("--decode-tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Rank processes per decode worker (tensor parallelism).")
+@click.option("--prefill-cpus", callback=parse_cpus, default=None, metavar="LIST",
+              help="Pin prefill workers to these cores (taskset's list: 0, 0,2, 0-3) [default: not pinned].")
+@click.option("--decode-cpus", callback=parse_cpus, default=None, metavar="LIST",
+              help="Pin decode workers to these cores [default: not pinned].")
+@click.option("--prefill-threads", type=click.IntRange(min=1), default=None,
+              help="Torch threads per prefill worker [default: its cores split among the workers sharing them].")
+@click.option("--decode-threads", type=click.IntRange(min=1), default=None,
+              help="Torch threads per decode worker [default: its cores split among the workers sharing them].")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where child logs go [default: a new temporary directory, printed].")
 @click.option("--follow-logs", is_flag=True, help="Also print every child's log lines, prefixed with its name.")

@@ -13,6 +13,7 @@ import os
 import time
 
 import redis.asyncio as aioredis
+import torch
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -85,6 +86,8 @@ class Worker:
     # lifecycle
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        if self.settings.num_threads:  # process-wide: the engine thread's ops use it too
+            torch.set_num_threads(self.settings.num_threads)
         self.engine = await asyncio.to_thread(LLMEngine, self.settings.engine_config())
         if self.engine.tp is not None:
             self.engine.tp.on_death = exit_on_rank_death
@@ -390,7 +393,9 @@ class Worker:
             self.faults[loop] = str(error)
 
     def worker_stats(self) -> dict:
-        return {"pod_id": self.settings.pod_id, "role": self.role, "requests_tracked": len(self.requests)}
+        return {"pod_id": self.settings.pod_id, "role": self.role, "requests_tracked": len(self.requests),
+                "num_threads": torch.get_num_threads(),
+                "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
 
 async def serve(worker: Worker) -> None:

@@ -79,6 +79,11 @@ class WorkerSettings(ServiceSettings):
         "Port of the tensor-parallel rendezvous this pod holds when --nnodes > 1."))
     tp_join_timeout_s: float = Field(60.0, gt=0, description=(
         "Fail when the other tensor-parallel nodes have not joined within this long (s)."))
+    # Engine workers sharing a machine each default to every core they may use, and then fight over them (OpenMP
+    # barriers wait on a descheduled sibling); `pdserve up` sets this per worker (its --prefill-threads and
+    # --decode-threads, default the cores split among the workers).
+    num_threads: int | None = Field(None, ge=1, description=(
+        "Torch threads of this worker's engine (default: the cores this process may use)."))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

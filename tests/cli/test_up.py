@@ -18,7 +18,9 @@ import pytest
 import redis
 from support.redis_server import free_port
 
-from pdserve.services.up import Child, Ensemble, UpOptions, _Stop, plan
+import click
+
+from pdserve.services.up import Child, Ensemble, UpOptions, _Stop, parse_cpus, plan
 from pdserve.shared.protocol.registry import PodInfo
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -301,6 +303,45 @@ def test_plan_forwards_engine_flags_and_gives_every_worker_its_own_ports(tmp_pat
     assert colocated[1].env["PDSERVE_COLOCATED"] == "true"
     monkeypatch.setenv("PDSERVE_REGISTRY_TOKEN", TOKEN)  # a token of the user's choice reaches every child
     assert {c.env["PDSERVE_REGISTRY_TOKEN"] for c in plan(opts, tmp_path)} == {TOKEN}
+
+
+def test_workers_split_the_cores_into_torch_threads_and_pinned_tiers_get_their_own(tmp_path, monkeypatch):
+    import pdserve.services.up as up
+
+    monkeypatch.delenv("PDSERVE_NUM_THREADS", raising=False)
+    monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+
+    def threads(**kw) -> dict[str, tuple[str | None, frozenset | None]]:
+        return {c.name: (c.env.get("PDSERVE_NUM_THREADS"), c.cpus) for c in plan(UpOptions(redis_url="redis://r", **kw),
+                                                                               tmp_path) if c.is_worker}
+
+    assert threads() == {"decode-0": ("2", None), "prefill-0": ("2", None)}  # 4 cores, 2 engine workers
+    assert threads(colocated=True) == {"decode-0": ("4", None)}
+    assert threads(num_prefill=1, num_decode=2) == {"decode-0": ("1", None), "decode-1": ("1", None),
+                                                    "prefill-0": ("1", None)}
+    p, d = frozenset({0}), frozenset({1, 2, 3})
+    assert threads(prefill_cpus=p, decode_cpus=d) == {"decode-0": ("3", d), "prefill-0": ("1", p)}
+    assert threads(decode_threads=5) == {"decode-0": ("5", None), "prefill-0": ("2", None)}  # explicit wins
+    assert threads(decode_tensor_parallel_size=2) == {"decode-0": (None, None), "prefill-0": ("2", None)}
+    monkeypatch.setenv("PDSERVE_NUM_THREADS", "3")  # the caller's own variable reaches the workers unchanged
+    assert threads() == {"decode-0": ("3", None), "prefill-0": ("3", None)}
+
+
+@pytest.mark.slow
+def test_a_pinned_child_runs_on_its_cores_only(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    child = Child("decode-0", [sys.executable, "-c", code], dict(os.environ), tmp_path / "c.log",
+                  cpus=frozenset(cores[:1]))
+    child.start()
+    assert child.proc.wait(30) == 0
+    assert child.log_path.read_text().strip() == str(cores[:1])
+    assert parse_cpus(None, None, str(cores[0])) == frozenset(cores[:1])
+    assert parse_cpus(None, None, f"{cores[0]}-{cores[-1]}") == frozenset(range(cores[0], cores[-1] + 1))
+    with pytest.raises(click.BadParameter, match="expected a core list"):
+        parse_cpus(None, None, "0-x")
+    with pytest.raises(click.BadParameter, match=r"cores \[4096\] are not among"):
+        parse_cpus(None, None, "4096")
 
 
 @pytest.mark.slow

@@ -1,0 +1,198 @@
+"""``pdserve bench ensemble-cpu``: CPU per generated token of the serving ensemble against the offline engine.
+
+One workload (``--num-requests`` random-id prompts of 16-256 tokens, ``--output-len`` tokens each, greedy,
+``ignore_eos``), all sent at once so that every request is in flight together, run by:
+
+- ``offline``: pdserve's ``LLM`` in its own process (``throughput_worker.py``), loaded once;
+- ``colocated``: ``pdserve up --colocated`` (router, registry, Redis, one decode worker that prefills itself);
+- ``disaggregated``: ``pdserve up --prefill 1 --decode 1``.
+
+Each ensemble is started, warmed up with a few requests, measured, and stopped; the modes run in turns
+(offline, colocated, disaggregated, offline, ...) for ``--rounds``. CPU time (user + system) is read with psutil
+for every process of the ensemble (the ``up`` supervisor and all its children) before and after the load, so each
+hop's share shows: router (HTTP in, SSE out, the output relay), Redis (queue, output streams), registry, and each
+worker (engine, hand-over). The client's own CPU is left out. ``--pin`` pins the tiers to their own cores, as
+``pd-vs-colocated --pin`` does (``pin_args``).
+
+    pdserve bench ensemble-cpu --num-requests 32 --output-len 64 --rounds 2
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+import click
+import httpx
+import psutil
+
+from pdserve.loadtest.errors import LoadTestError
+from pdserve.loadtest.pd_compare import MODES, pin_args
+
+NAMES = ("router", "redis", "registry", "prefill", "decode", "up")
+
+
+def process_role(proc: psutil.Process) -> str:
+    """Which part of an ensemble ``proc`` is: a ``NAMES`` entry, or ``other``."""
+    try:
+        cmd = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "other"
+    if cmd and "redis" in os.path.basename(cmd[0]):
+        return "redis"
+    if "pdserve.services.cli" in cmd:
+        role = cmd[cmd.index("pdserve.services.cli") + 1] if cmd.index("pdserve.services.cli") + 1 < len(cmd) else ""
+        return role if role in NAMES else "other"
+    return "other"
+
+
+def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """pid -> (role, user + system CPU seconds) for ``root`` and every descendant."""
+    try:
+        procs = [psutil.Process(root)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (process_role(p), t.user + t.system + t.children_user + t.children_system)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def cpu_by_role(before: dict, after: dict) -> dict[str, float]:
+    roles: dict[str, float] = {}
+    for pid, (role, cpu) in after.items():
+        roles[role] = roles.get(role, 0.0) + cpu - before.get(pid, (role, 0.0))[1]
+    return roles
+
+
+async def send_all(base_url: str, model: str, prompts: list[list[int]], outputs: list[int]) -> int:
+    """Send every request at once (streaming, as clients do); the generated tokens, from each stream's usage."""
+    async def one(client: httpx.AsyncClient, ids: list[int], n: int) -> int:
+        body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        tokens = 0
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise LoadTestError(f"a request failed with HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        tokens = usage["completion_tokens"]
+        return tokens
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        return sum(await asyncio.gather(*(one(client, p, o) for p, o in zip(prompts, outputs))))
+
+
+def worker_stats(root: int, role: str) -> dict:
+    """``/v1/stats`` of the first ``role`` worker under ``root`` (its port from its environment), or {}."""
+    for p in psutil.Process(root).children(recursive=True):
+        if process_role(p) == role:
+            try:
+                port = p.environ().get("PDSERVE_PORT")
+                return httpx.get(f"http://127.0.0.1:{port}/v1/stats", timeout=10).json()
+            except (psutil.Error, httpx.HTTPError, ValueError):
+                return {}
+    return {}
+
+
+def run_ensemble(mode: str, model: str, dtype: str, kv: str, pin: bool, up_args: tuple[str, ...],
+                 prompts: list[list[int]], outputs: list[int], timeout_s: float) -> dict:
+    from pdserve.loadtest.procs import free_port, running
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model, "--dtype", dtype,
+           "--kv-cache-memory", kv, *MODES[mode], *(pin_args(mode) if pin else []), *up_args]
+    url = f"http://127.0.0.1:{port}"
+    with running(cmd, url + "/health", timeout_s=timeout_s, serving_model=model) as proc:
+        asyncio.run(send_all(url, model, prompts[:4], [4] * 4))  # warm-up: first steps, connections
+        before = tree_cpu(proc.pid)
+        start = time.perf_counter()
+        tokens = asyncio.run(send_all(url, model, prompts, outputs))
+        seconds = time.perf_counter() - start
+        roles = cpu_by_role(before, tree_cpu(proc.pid))
+        stats = worker_stats(proc.pid, "prefill" if mode == "disaggregated" else "decode")
+    return {"output_tokens": tokens, "seconds": seconds, "cpu_seconds": sum(roles.values()), "by_role": roles,
+            "peak_num_running": stats.get("peak_num_running"), "num_steps": stats.get("num_steps")}
+
+
+def _line(mode: str, r: dict) -> str:
+    parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("by_role", {}).items(), key=lambda kv: -kv[1])
+                      if v >= 0.05)
+    peak = f", peak batch {r['peak_num_running']} in {r['num_steps']} steps" if r.get("peak_num_running") else ""
+    return (f"  {mode:<14}{r['output_tokens'] / r['seconds']:>8.1f} tok/s {1e3 * r['cpu_seconds'] / r['output_tokens']:>7.1f}"
+            f" CPU-ms/tok  ({r['seconds']:.1f} s, {r['cpu_seconds']:.1f} CPU-s, load {r['loadavg']:.1f}{peak})"
+            + (f"\n      CPU-s by process: {parts}" if parts else ""))
+
+
+@click.command("ensemble-cpu")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True)
+@click.option("--num-requests", default=32, show_default=True, help="All sent at once: this many in flight.")
+@click.option("--output-len", default=64, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]))
+@click.option("--kv-cache-memory", "kv", default="1GiB", show_default=True)
+@click.option("--rounds", default=1, show_default=True, help="Turns per mode (A B C A B C ...).")
+@click.option("--mode", "modes", multiple=True, type=click.Choice(["offline", *MODES]),
+              help="Run only these (default all three).")
+@click.option("--pin", is_flag=True, help="Pin the tiers to their own cores (see pd-vs-colocated --pin).")
+@click.option("--up-arg", "up_args", multiple=True, help="Extra argument for `pdserve up` (repeatable).")
+@click.option("--up-timeout", type=float, default=600.0, show_default=True)
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+def ensemble_cpu_command(model, num_requests, output_len, seed, dtype, kv, rounds, modes, pin, up_args, up_timeout,
+                         json_out) -> None:
+    """CPU per generated token: offline engine vs `pdserve up` colocated and 1P+1D, same requests, in turns."""
+    from transformers import AutoConfig
+
+    from pdserve.loadtest.offline_throughput import make_workload
+    from pdserve.loadtest.throughput_bench import Contender
+    from pdserve.shared.models.resolve import resolve_model
+
+    modes = list(modes or ("offline", *MODES))
+    model_dir = str(resolve_model(model))
+    prompts, outputs = make_workload(num_requests, seed, AutoConfig.from_pretrained(model_dir).vocab_size,
+                                     output_range=(output_len, output_len))
+    threads = len(os.sched_getaffinity(0))
+    click.echo(f"ensemble-cpu: {num_requests} requests at once (prompts 16-256, {output_len} out), {dtype}, greedy, "
+               f"ignore_eos, KV {kv}; modes {', '.join(modes)} in turns x {rounds}{', pinned' if pin else ''}; "
+               f"load average {os.getloadavg()[0]:.1f}")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    offline = None
+    try:
+        if "offline" in modes:
+            spec = {"model_dir": model_dir, "dtype": dtype, "kv_bytes": 1 << 30, "max_model_len": 1024,
+                    "threads": threads, "hf_batch_size": 32, "prompts": prompts, "outputs": outputs}
+            offline = Contender("pdserve", sys.executable, spec, {**os.environ, "OMP_NUM_THREADS": str(threads)},
+                                tempfile.mkdtemp(prefix="pdserve-ensemble-cpu-"))
+        for _ in range(rounds):
+            for mode in modes:
+                r = offline.run() if mode == "offline" else run_ensemble(
+                    mode, model, dtype, kv, pin, up_args, prompts, outputs, up_timeout)
+                r["loadavg"] = os.getloadavg()[0]
+                runs[mode].append(r)
+                click.echo(_line(mode, r))
+    except LoadTestError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        if offline is not None:
+            offline.close()
+    summary = {m: 1e3 * sum(r["cpu_seconds"] for r in rs) / sum(r["output_tokens"] for r in rs)
+               for m, rs in runs.items() if rs}
+    click.echo(f"\n{'mode':<15}{'CPU-ms/tok':>11}{'x offline':>11}")
+    for m, ms in summary.items():
+        ratio = ms / summary["offline"] if "offline" in summary else float("nan")
+        click.echo(f"{m:<15}{ms:>11.1f}{ratio:>11.2f}")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"runs": runs, "cpu_ms_per_token": summary}, f, indent=2)
