@@ -95,16 +95,18 @@ async def send_all(base_url: str, model: str, prompts: list[list[int]], outputs:
         return sum(await asyncio.gather(*(one(client, p, o) for p, o in zip(prompts, outputs))))
 
 
-def worker_stats(root: int, role: str) -> dict:
-    """``/v1/stats`` of the first ``role`` worker under ``root`` (its port from its environment), or {}."""
+def worker_stats(root: int) -> dict[str, dict]:
+    """``/v1/stats`` of every worker under ``root`` (its port from its environment), by pod id."""
+    out = {}
     for p in psutil.Process(root).children(recursive=True):
-        if process_role(p) == role:
+        if process_role(p) in ("prefill", "decode"):
             try:
-                port = p.environ().get("PDSERVE_PORT")
-                return httpx.get(f"http://127.0.0.1:{port}/v1/stats", timeout=10).json()
-            except (psutil.Error, httpx.HTTPError, ValueError):
-                return {}
-    return {}
+                env = p.environ()
+                out[env["PDSERVE_POD_ID"]] = httpx.get(f"http://127.0.0.1:{env['PDSERVE_PORT']}/v1/stats",
+                                                       timeout=10).json()
+            except (psutil.Error, httpx.HTTPError, ValueError, KeyError):
+                pass
+    return out
 
 
 def run_ensemble(mode: str, model: str, dtype: str, kv: str, pin: bool, up_args: tuple[str, ...],
@@ -122,15 +124,17 @@ def run_ensemble(mode: str, model: str, dtype: str, kv: str, pin: bool, up_args:
         tokens = asyncio.run(send_all(url, model, prompts, outputs))
         seconds = time.perf_counter() - start
         roles = cpu_by_role(before, tree_cpu(proc.pid))
-        stats = worker_stats(proc.pid, "prefill" if mode == "disaggregated" else "decode")
+        stats = worker_stats(proc.pid)
     return {"output_tokens": tokens, "seconds": seconds, "cpu_seconds": sum(roles.values()), "by_role": roles,
-            "peak_num_running": stats.get("peak_num_running"), "num_steps": stats.get("num_steps")}
+            "workers": {pod: {k: s.get(k) for k in ("peak_num_running", "num_steps", "num_threads", "cpus")}
+                        for pod, s in stats.items()}}
 
 
 def _line(mode: str, r: dict) -> str:
     parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(r.get("by_role", {}).items(), key=lambda kv: -kv[1])
                       if v >= 0.05)
-    peak = f", peak batch {r['peak_num_running']} in {r['num_steps']} steps" if r.get("peak_num_running") else ""
+    peak = "".join(f"; {pod}: peak batch {w['peak_num_running']} in {w['num_steps']} steps, {w['num_threads']} "
+                   f"threads on cores {w['cpus']}" for pod, w in sorted(r.get("workers", {}).items()))
     return (f"  {mode:<14}{r['output_tokens'] / r['seconds']:>8.1f} tok/s {1e3 * r['cpu_seconds'] / r['output_tokens']:>7.1f}"
             f" CPU-ms/tok  ({r['seconds']:.1f} s, {r['cpu_seconds']:.1f} CPU-s, load {r['loadavg']:.1f}{peak})"
             + (f"\n      CPU-s by process: {parts}" if parts else ""))

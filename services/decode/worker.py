@@ -219,41 +219,61 @@ class DecodeWorker(Worker):
                 continue
             try:
                 for _, messages in entries or []:
-                    for msg_id, fields in messages:
-                        await self._admit(fields)
-                        await self.redis.xack(stream, keys.DECODE_GROUP, msg_id)
-                        await self.redis.xdel(stream, msg_id)
+                    # all of them in one engine call: the next step prefills them together (not one per step)
+                    await self._admit_all([fields for _, fields in messages])
+                    ids = [msg_id for msg_id, _ in messages]
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.xack(stream, keys.DECODE_GROUP, *ids)
+                        pipe.xdel(stream, *ids)
+                        await pipe.execute()
             except (RedisError, OSError) as exc:
                 logger.warning("admitting from %s failed (%s); retrying", stream, exc)
                 await asyncio.sleep(1.0)
 
     async def _admit(self, fields) -> None:
-        try:
-            req = PrefillRequest.decode(fields)
-        except BadSamplingParams as exc:
-            if not await self.is_aborted(exc.request_id):
-                await self._fail(exc.request_id, str(exc))
-            return
-        except MessageError as exc:
-            logger.error("dropping malformed queue entry: %s", exc)
-            return
-        if await self.is_aborted(req.request_id):
-            return
-        with logging_request(req.request_id):
-            await self._admit_request(req)
+        await self._admit_all([fields])
 
-    async def _admit_request(self, req: PrefillRequest) -> None:
-        params = req.sampling_params
-        self.requests[req.request_id] = Tracked(req.arrival_time, params.logprobs, admitted=time.time(),
-                                                router_id=req.router_id)
-        try:
-            await self.engine_thread.acall(self.engine.add_request, req.request_id, req.prompt_token_ids, params,
-                                           arrival_time=req.arrival_time, priority=req.priority,
-                                           cache_salt=req.cache_salt, output_token_ids=req.output_token_ids,
-                                           output_text_len=req.output_text_len)
-        except (RequestRejected, ValueError, TypeError) as exc:
-            self.requests.pop(req.request_id, None)
-            await self._fail(req.request_id, str(exc))
+    async def _admit_all(self, entries: list) -> None:
+        """Admit local queue entries into the engine in one call between two steps. Malformed entries are dropped
+        with a log line, bad sampling params and requests the engine refuses get a 400, aborted ones are skipped."""
+        reqs: list[PrefillRequest] = []
+        for fields in entries:
+            try:
+                reqs.append(PrefillRequest.decode(fields))
+            except BadSamplingParams as exc:
+                if not await self.is_aborted(exc.request_id):
+                    await self._fail(exc.request_id, str(exc))
+            except MessageError as exc:
+                logger.error("dropping malformed queue entry: %s", exc)
+        if not reqs:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for req in reqs:
+                pipe.exists(keys.aborted_key(req.request_id))
+            aborted = await pipe.execute()
+        reqs = [req for req, gone in zip(reqs, aborted) if not gone]
+        for req in reqs:
+            self.requests[req.request_id] = Tracked(req.arrival_time, req.sampling_params.logprobs,
+                                                    admitted=time.time(), router_id=req.router_id)
+        errors = await self.engine_thread.acall(self._add_requests, reqs)
+        for req, exc in zip(reqs, errors):
+            if exc is not None:
+                self.requests.pop(req.request_id, None)
+                with logging_request(req.request_id):
+                    await self._fail(req.request_id, str(exc))
+
+    def _add_requests(self, reqs: list[PrefillRequest]) -> list[Exception | None]:
+        """Engine thread: add every request; per request None, or the error that refused it (a bad request)."""
+        errors: list[Exception | None] = []
+        for req in reqs:
+            try:
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                        arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
+                                        output_token_ids=req.output_token_ids, output_text_len=req.output_text_len)
+                errors.append(None)
+            except (RequestRejected, ValueError, TypeError) as exc:
+                errors.append(exc)
+        return errors
 
     async def _fail(self, request_id: str, message: str) -> None:
         self.metrics.requests_failed.inc()

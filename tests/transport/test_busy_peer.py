@@ -62,3 +62,54 @@ async def test_a_pod_whose_heartbeat_stopped_fails_the_frame_with_a_reason(layou
     assert isinstance(exc, KVTransferError) and exc.timed_out and exc.unreachable
     assert str(exc) == f"127.0.0.1:{port} did not answer reserve within 0.4 s and its heartbeat stopped"
     assert len(asked) == 1
+
+
+class GatedReceiver(PoolReceiver):
+    """Holds request ``held``'s reserve until ``gate`` is set (its engine call waits for a long step)."""
+
+    def __init__(self, layout, held: str) -> None:
+        super().__init__(layout)
+        self.held, self.gate = held, asyncio.Event()
+
+    async def reserve(self, msg):
+        if msg.request_id == self.held:
+            await self.gate.wait()
+        return await super().reserve(msg)
+
+
+async def test_a_waiting_reserve_does_not_hold_up_other_requests_on_the_same_connection(layout):
+    """Frames of different requests on one connection are served concurrently (so a burst of hand-overs reaches the
+    decode engine together between two steps, not one per step); a duplicate reserve of a request whose reserve is
+    still in flight is refused; and a reservation that completes after its connection dropped is released."""
+    receiver = GatedReceiver(layout, held="a")
+    server = KVTransferServer(receiver, SECRET, host="127.0.0.1", port=0)
+    await server.start()
+    client = KVTransferClient("127.0.0.1", server.port, layout, SECRET, request_timeout_s=10)
+    try:
+        await client.connect()
+        first = asyncio.ensure_future(client.reserve(Reserve("a", [1] * 20, 20, [], None)))
+        await asyncio.sleep(0.1)
+        other = await asyncio.wait_for(client.reserve(Reserve("b", [2] * 20, 20, [], None)), 2.0)
+        again = await asyncio.wait_for(client.reserve(Reserve("a", [1] * 20, 20, [], None)), 2.0)
+        assert other.ok and not first.done()
+        assert not again.ok and again.error == "request 'a' already holds a lease"
+        receiver.gate.set()
+        assert (await first).ok
+        assert server.active_leases == 2
+
+        receiver.held = "c"
+        receiver.gate.clear()
+        late = asyncio.ensure_future(client.reserve(Reserve("c", [3] * 20, 20, [], None)))
+        await asyncio.sleep(0.1)
+        await client.close()  # the peer leaves while "c" is being reserved
+        late.cancel()
+        receiver.gate.set()
+        for _ in range(50):
+            if server.active_leases == 0 and receiver.used_blocks == 0:
+                break
+            await asyncio.sleep(0.05)
+        # a and b were released with the connection; c's blocks, reserved after it closed, at once
+        assert (server.active_leases, receiver.used_blocks) == (0, 0)
+    finally:
+        await client.close()
+        await server.stop()
