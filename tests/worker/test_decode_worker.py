@@ -39,13 +39,20 @@ class RecordingEngine:
         self.calls.append(("commit", request_id, first_token_id, params, kwargs))
         self.reserved.pop(request_id)
 
+    def add_request(self, request_id, prompt_token_ids, params, **kwargs):
+        self.calls.append(("add", request_id))
+
 
 class InlineThread:
     """``EngineThread.acall`` run inline (the recording engine never blocks)."""
 
     alive = True
 
+    def __init__(self) -> None:
+        self.calls = 0  # engine-thread calls: each one waits for the running step to end
+
     async def acall(self, fn, *args, **kwargs):
+        self.calls += 1
         return fn(*args, **kwargs)
 
 
@@ -122,3 +129,29 @@ def test_the_registration_reports_the_kv_port_and_colocation(redis_url):
 
     info = run(redis_url, scenario)
     assert (info.role, info.kv_port, info.colocated, info.queued_prefill_tokens) == ("decode", 9123, True, 0)
+
+
+def test_local_queue_entries_that_arrive_together_reach_the_engine_in_one_call(redis_url):
+    """A colocated pod admits every waiting entry of its local queue in one engine call (one step boundary), not one
+    per entry (each call waits for a running step: 32 queued prompts took 32 steps to join the batch); aborted
+    entries are skipped and every entry leaves the stream."""
+    async def scenario(w: DecodeWorker, rx: DecodeReceiver):
+        stream = keys.decode_stream("decode-0")
+        for i in range(32):
+            await w.redis.xadd(stream, PrefillRequest(f"cmpl-{i}-0", "m", [1, 2, 3], SamplingParams(), "decode-0",
+                                                      "127.0.0.1", 9123, time.time()).encode())
+        await w.redis.set(keys.aborted_key("cmpl-5-0"), 1)
+        consumer = asyncio.create_task(w._consume_local())
+        try:
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if len(w.engine.calls) == 31 and not await w.redis.xlen(stream):
+                    break
+        finally:
+            consumer.cancel()
+        return w.engine.calls, w.engine_thread.calls, set(w.requests), await w.redis.xlen(stream)
+
+    calls, engine_calls, tracked, left = run(redis_url, scenario)
+    assert [c[1] for c in calls] == [f"cmpl-{i}-0" for i in range(32) if i != 5]
+    assert engine_calls == 1
+    assert tracked == {f"cmpl-{i}-0" for i in range(32) if i != 5} and left == 0
