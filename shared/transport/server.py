@@ -186,7 +186,12 @@ class KVTransferServer:
             await write_frame(conn.writer, reply, frame_id)
 
     async def _reply_later(self, conn: _Conn, frame: Reserve | Blocks | Commit, frame_id: int) -> None:
-        reply = await (self._commit(conn, frame) if isinstance(frame, Commit) else self._dispatch(conn, frame))
+        try:
+            reply = await (self._commit(conn, frame) if isinstance(frame, Commit) else self._dispatch(conn, frame))
+        except Exception:  # a bug must cost this connection (its peer sees it drop, its leases are released), not hang it
+            log.exception("KV-transfer %s of %s from %s failed", frame.TYPE, frame.request_id, conn.peer)
+            conn.writer.close()
+            return
         try:
             await write_frame(conn.writer, reply, frame_id)
         except (ConnectionError, OSError) as e:
