@@ -35,21 +35,31 @@ WORKER = Path(__file__).with_name("throughput_worker.py")
 SYSTEMS = ("pdserve", "hf-static", "hf-continuous", "vllm", "pdserve-ref-attn")
 
 
+def _matmul_rate(dtype: torch.dtype, seconds: float) -> tuple[float, float]:
+    """FLOPs per CPU-second and per wall second of ``n x n @ n x n`` in ``dtype``."""
+    n = 1024
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    reps, cpu0, wall0 = 0, time.process_time(), time.perf_counter()
+    while time.perf_counter() - wall0 < seconds:
+        a @ b
+        reps += 1
+    flops = 2 * n**3 * reps
+    return flops / (time.process_time() - cpu0), flops / (time.perf_counter() - wall0)
+
+
 def measure_roofline(dtype: torch.dtype, threads: int, seconds: float = 1.0) -> dict:
-    """Matmul FLOPs per CPU-second and per wall second (``n x n @ n x n`` in ``dtype``), and copy bandwidth
-    (bytes read + written per wall second, 256 MiB fp32 copy), at ``threads`` threads."""
+    """The machine's best matmul rate for a ``dtype`` model, per CPU-second and per wall second, and copy
+    bandwidth (bytes read + written per wall second, 256 MiB fp32 copy), at ``threads`` threads.
+
+    The rate is the faster of ``dtype`` and fp32: on a CPU without native bf16 GEMMs (no AVX512-BF16/AMX)
+    oneDNN's bf16 path runs at a few GFLOP/s, and pdserve computes bf16 projections with fp32 weight copies
+    there (loadtest/README.md "Offline throughput"), so the bf16 rate alone would be no bound at all."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        n = 1024
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        a @ b
-        reps, cpu0, wall0 = 0, time.process_time(), time.perf_counter()
-        while time.perf_counter() - wall0 < seconds:
-            a @ b
-            reps += 1
-        flops = 2 * n**3 * reps
-        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        rates = {str(d).removeprefix("torch."): _matmul_rate(d, seconds) for d in dict.fromkeys((dtype, torch.float32))}
+        best = max(rates, key=lambda d: rates[d][0])
         src = torch.ones(64 << 20)
         dst = torch.empty_like(src)
         dst.copy_(src)
@@ -60,7 +70,9 @@ def measure_roofline(dtype: torch.dtype, threads: int, seconds: float = 1.0) -> 
         bw = 2 * src.numel() * 4 * reps / (time.perf_counter() - wall0)
     finally:
         torch.set_num_threads(old)
-    return {"flops_per_cpu_s": flops / cpu, "flops_per_s": flops / wall, "copy_bytes_per_s": bw}
+    return {"flops_per_cpu_s": rates[best][0], "flops_per_s": rates[best][1], "matmul_dtype": best,
+            "matmul_rates": {d: {"flops_per_cpu_s": r[0], "flops_per_s": r[1]} for d, r in rates.items()},
+            "copy_bytes_per_s": bw}
 
 
 def workload_flops(config, prompts, outputs) -> float:
@@ -159,8 +171,10 @@ def _roofline_lines(pd: dict, roof: dict, flops: float, wbytes: int) -> list[str
     steps = runs[-1].get("stats", {}).get("num_steps", 0)
     mm_floor = flops / roof["flops_per_cpu_s"]
     bw_floor = steps * wbytes / roof["copy_bytes_per_s"]
-    return [f"roofline: matmul {roof['flops_per_cpu_s'] / 1e9:.0f} GFLOP per CPU-s ({roof['flops_per_s'] / 1e9:.0f} "
-            f"GFLOP/s), copy {roof['copy_bytes_per_s'] / 1e9:.1f} GB/s; workload {flops / 1e12:.2f} TFLOP of "
+    others = ", ".join(f"{d} {r['flops_per_cpu_s'] / 1e9:.1f}" for d, r in roof["matmul_rates"].items()
+                       if d != roof["matmul_dtype"])
+    return [f"roofline: matmul {roof['flops_per_cpu_s'] / 1e9:.1f} GFLOP per CPU-s ({roof['flops_per_s'] / 1e9:.1f} "
+            f"GFLOP/s) in {roof['matmul_dtype']}{f' (vs {others})' if others else ''}, copy {roof['copy_bytes_per_s'] / 1e9:.1f} GB/s; workload {flops / 1e12:.2f} TFLOP of "
             f"linear layers, {wbytes / 1e6:.0f} MB of weights",
             f"pdserve: matmul floor {mm_floor:.1f} CPU-s vs {cpu:.1f} CPU-s used ({100 * mm_floor / cpu:.0f}% of "
             f"the bound); weight-streaming floor {bw_floor:.1f} s for {steps} steps vs {wall:.1f} s "
