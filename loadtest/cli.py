@@ -27,7 +27,7 @@ def one_line_errors(f):
 
 @click.group()
 def bench() -> None:
-    """Load tests: serve, sweep, mock-server, client-overhead, pd-vs-colocated, chaos, overload."""
+    """Load tests and benchmarks, serving and offline (loadtest/README.md); each command is listed below."""
 
 
 @bench.command("serve", cls=GreedyCommand)
