@@ -8,12 +8,13 @@ exact refusal line for a split that cannot work.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 
 import pytest
 import torch
+
+from support.tiny_llama import make_tiny_llama
 
 from pdserve import LLM, SamplingParams
 from pdserve.shared.engine.tp_executor import TPRankDied
@@ -95,20 +96,6 @@ def test_tp3_greedy_equals_tp1_with_prefix_cache_chunks_preemption_n_and_specula
         engine.tp.close()
 
 
-def _tiny_llama(tmp_path, model_dir) -> str:
-    """A random 2-layer Llama (8 heads, 2 KV heads) saved as safetensors with the default model's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=256, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
-    for name in os.listdir(model_dir):
-        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(os.path.join(model_dir, name), tmp_path)
-    return str(tmp_path)
-
-
 def _greedy_with_logits(llm: LLM, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
     runner = llm.llm_engine.runner
     logits, execute = [], runner.execute_model
@@ -124,7 +111,7 @@ def _greedy_with_logits(llm: LLM, prompts) -> tuple[list[list[int]], list[torch.
 
 @pytest.mark.slow
 def test_tiny_llama_tp2_and_tp4_logits_equal_tp1(tmp_path, model_dir):
-    path = _tiny_llama(tmp_path, model_dir)
+    path = make_tiny_llama(tmp_path, model_dir)
     prompts = [list(range(100, 131)), list(range(7, 12)), list(range(500, 540))]
     want_tokens, want_logits = _greedy_with_logits(LLM(path, dtype="float32", max_num_batched_tokens=32), prompts)
     for tp in (2, 4):  # TP=4: each of the 2 KV heads lives on two ranks
