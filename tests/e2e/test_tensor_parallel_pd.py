@@ -18,12 +18,10 @@ import signal
 import threading
 import time
 
-import httpx
 import psutil
 import pytest
 
-from pdserve.loadtest.sse import read_chunks
-from support.ensemble import Ensemble
+from support.ensemble import Ensemble, stream_completion
 
 openai = pytest.importorskip("openai")
 
@@ -64,21 +62,6 @@ def pod_procs(ensemble: Ensemble, pod_id: str) -> tuple[psutil.Process, list[psu
     pids = {p.pid for p in mine}
     (worker,) = [p for p in mine if p.ppid() not in pids]
     return worker, [p for p in mine if p.ppid() == worker.pid]
-
-
-def stream(ensemble: Ensemble, body: dict, on_text=None) -> tuple[str, str | None]:
-    text, finish = "", None
-    with httpx.Client(timeout=600) as http:
-        with http.stream("POST", f"{ensemble.router_url}/v1/completions", json={**body, "stream": True}) as resp:
-            assert resp.status_code == 200
-            for data in read_chunks(resp.iter_lines()):
-                assert "error" not in data, data
-                for choice in data["choices"]:
-                    text += choice.get("text") or ""
-                    finish = choice.get("finish_reason") or finish
-                if on_text is not None and text:
-                    on_text(text)
-    return text, finish
 
 
 def test_greedy_across_tp_sizes_equals_offline_engine(ensemble, offline, tokenizer):
@@ -127,7 +110,7 @@ def test_a_killed_rank_ends_its_pod_and_the_stream_moves(ensemble, offline):
         threading.Thread(target=lambda: (worker.wait(timeout=60), victim.update(exit_s=time.monotonic() - killed_at)),
                          daemon=True).start()
 
-    got, finish = stream(ensemble, body, kill_once)
+    got, finish = stream_completion(ensemble, body, kill_once, timeout_s=600)
     assert victim and got == want.text and finish == "length"
     # the pod exited on its own (the rank watchdog), in seconds, with the dead rank named in its log, and took its
     # other ranks with it (no orphan left blocked in a collective)

@@ -9,12 +9,10 @@ import os
 import signal
 import time
 
-import httpx
 import psutil
 import pytest
 
-from pdserve.loadtest.sse import read_chunks
-from support.ensemble import Ensemble
+from support.ensemble import Ensemble, stream_completion
 
 MODEL = "smollm2-135m-instruct"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -31,27 +29,12 @@ def worker_pid(ensemble: Ensemble, pod_id: str) -> int:
     raise AssertionError(f"no process for {pod_id}")
 
 
-def stream(ensemble: Ensemble, body: dict, on_text=None) -> tuple[str, str | None]:
-    text, finish = "", None
-    with httpx.Client(timeout=300) as http:
-        with http.stream("POST", f"{ensemble.router_url}/v1/completions", json={**body, "stream": True}) as resp:
-            assert resp.status_code == 200
-            for data in read_chunks(resp.iter_lines()):
-                assert "error" not in data, data
-                for choice in data["choices"]:
-                    text += choice.get("text") or ""
-                    finish = choice.get("finish_reason") or finish
-                if on_text is not None and text:
-                    on_text(text)
-    return text, finish
-
-
 def test_a_killed_decode_worker_is_restarted_and_its_request_moves(tmp_path):
     with Ensemble("--prefill", "1", "--decode", "2", "--dtype", "float32", log_dir=tmp_path,
                   env={"PDSERVE_POD_TTL_S": "4", "PDSERVE_MIGRATION_STALL_S": "1"}) as ens:
         body = {"model": MODEL, "prompt": "Write a long story about a lighthouse keeper and the sea.",
                 "max_tokens": 48, "temperature": 0.8, "seed": 5, "ignore_eos": True}
-        want, _ = stream(ens, body)
+        want, _ = stream_completion(ens, body)
         victim: dict = {}
 
         def kill_once(text: str) -> None:
@@ -62,7 +45,7 @@ def test_a_killed_decode_worker_is_restarted_and_its_request_moves(tmp_path):
             victim.update(busy[0])
             os.kill(worker_pid(ens, victim["pod_id"]), signal.SIGKILL)
 
-        got, finish = stream(ens, body, kill_once)
+        got, finish = stream_completion(ens, body, kill_once)
         assert victim and got == want and finish == "length"
         up_out = (tmp_path / "up.out").read_text()
         assert f"pdserve up: {victim['pod_id']} exited with status -9; restarting it in 1 s" in up_out
@@ -74,5 +57,5 @@ def test_a_killed_decode_worker_is_restarted_and_its_request_moves(tmp_path):
             time.sleep(0.5)
         assert back is not None, up_out
         assert ens.proc.poll() is None  # the ensemble is still up
-        again, _ = stream(ens, body)
+        again, _ = stream_completion(ens, body)
         assert again == want
