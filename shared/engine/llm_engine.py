@@ -31,7 +31,7 @@ from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import Sampler, SamplingMetadata, advance_generator
 from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler
-from pdserve.shared.engine.spec_decode.draft_model import DraftModelProposer
+from pdserve.shared.engine.spec_decode.draft_model import draft_kv_bytes_per_block
 from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder, split_logits_rows
 from pdserve.shared.engine.stats import EngineCounters, kv_and_scheduler_stats
 from pdserve.shared.engine.swap import SwapManager
@@ -54,12 +54,8 @@ class LLMEngine:
         self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)
         self.kv_spec = KVCacheSpec.from_model_config(mc, config.block_size, self.dtype)
-        sc = config.speculative_config
-        draft_bytes = 0
-        if sc is not None and sc.method == "draft_model":  # the draft's KV pool shares the memory budget
-            draft_bytes = KVCacheSpec.from_model_config(load_config(resolve_model(sc.model)), config.block_size,
-                                                        self.dtype).bytes_per_block
-        ex = build_executor(config, self.model_dir, mc, self.dtype, self.kv_spec, draft_bytes)
+        ex = build_executor(config, self.model_dir, mc, self.dtype, self.kv_spec,
+                            draft_kv_bytes_per_block(config.speculative_config, config.block_size, self.dtype))
         self.backend, self.model, self.kv_cache, self.tp, plan = ex.backend, ex.model, ex.kv_cache, ex.tp, ex.plan
         self.max_model_len = plan.max_model_len
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -71,9 +67,7 @@ class LLMEngine:
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer, self.model_dir)
-        draft = DraftModelProposer.load(self, sc.model) if sc is not None and sc.method == "draft_model" else None
-        self.spec = None if sc is None else SpecDecoder(
-            sc, self.sampler.generator, self.eos_token_ids, self.vocab_size, self.max_model_len, draft)
+        self.spec = SpecDecoder.for_engine(self)
         self.input = InputProcessor(self.vocab_size, self.max_model_len, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.prefill_export = PrefillExport(self.scheduler, self.kv_manager, self.kv_cache)
@@ -172,7 +166,7 @@ class LLMEngine:
         if plain:
             self._sample(logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows)], plain, now)
         if verifying:
-            self.spec.verify_and_append(logits, verifying, lambda r, token, lp: self._emit(r, token, lp, now),
+            self.spec.verify_and_append(logits, verifying, lambda r, token, lp: self._append_token(r, token, lp, now),
                                         self.kv_manager)
         return self.output.take_outputs()
 
@@ -183,14 +177,11 @@ class LLMEngine:
             self.vocab_size)
         result = self.sampler(logits, md)
         for request, token, lp in zip(sampling, result.sampled_token_ids, result.logprobs):
-            self._emit(request, token, lp, now)
+            self._append_token(request, token, lp, now)
 
-    def _emit(self, request: Request, token: int, lp, now: float) -> None:
-        """Append a token this engine sampled."""
-        self._append_token(request, token, lp, now)
-        self.stats.sampled_tokens += 1
-
-    def _append_token(self, request: Request, token: int, lp, now: float) -> None:
+    def _append_token(self, request: Request, token: int, lp, now: float, sampled_here: bool = True) -> None:
+        """``sampled_here``: False for a hand-over's first token (the prefill pod sampled and counts it)."""
+        self.stats.sampled_tokens += sampled_here
         reason = self.output.append_token(request, token, lp, now)
         self.stats.generation_tokens += 1
         if reason is not None:
@@ -234,15 +225,14 @@ class LLMEngine:
         output_token_ids = list(output_token_ids or ())
 
         def build(prompt_token_ids: list[int], cache_salt: str | None) -> Request:
-            max_tokens = self.input.validate_prompt(prompt_token_ids, params)
-            self.input.validate_output(output_token_ids, params, max_tokens)
+            max_tokens = self.input.validate(prompt_token_ids, params, cache_salt, output_token_ids)
             return self.input.new_request(request_id, prompt_token_ids, params, max_tokens, arrival_time=arrival_time,
                                           priority=priority, cache_salt=cache_salt, output_token_ids=output_token_ids)
 
         request = self.decode_import.commit(request_id, output_token_ids, build)
         self.output.add_request(request_id, prompt, params, [request], output_text_len)
-        self._append_token(request, first_token_id, None, time.time())
-        advance_generator(request.generator, 1, self.vocab_size)  # the prefill pod sampled it (and counts it)
+        self._append_token(request, first_token_id, None, time.time(), sampled_here=False)
+        advance_generator(request.generator, 1, self.vocab_size)  # keep a seeded generator in step
         self.output.mark_sent(request)  # the prefill pod sent it already
 
     def release_reservation(self, request_id: str) -> None:

@@ -49,6 +49,18 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_vocab: int, 
                          "model: a draft model must share the target's tokenizer")
 
 
+def draft_kv_bytes_per_block(speculative_config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of a draft model's KV takes (0 without a draft model): its pool shares the engine's
+    memory budget, block for block with the target's."""
+    if speculative_config is None or speculative_config.method != "draft_model":
+        return 0
+    from pdserve.shared.models.loader import load_config
+    from pdserve.shared.models.resolve import resolve_model
+
+    mc = load_config(resolve_model(speculative_config.model))
+    return KVCacheSpec.from_model_config(mc, block_size, dtype).bytes_per_block
+
+
 class DraftModelProposer:
     """``model``: the draft (the loader's ``LlamaForCausalLM``); ``kv_cache``: its own pool with the target's
     number of blocks; ``kv_manager``: the target's (block ids per request); ``vocab_size``: shared."""

@@ -68,6 +68,16 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * self.k
 
+    @classmethod
+    def for_engine(cls, engine) -> SpecDecoder | None:
+        """The engine's speculative decoder (``None`` without a ``speculative_config``), its draft model loaded
+        on the engine's backend, dtype and block count for method draft_model."""
+        sc = engine.config.speculative_config
+        if sc is None:
+            return None
+        draft = DraftModelProposer.load(engine, sc.model) if sc.method == "draft_model" else None
+        return cls(sc, engine.sampler.generator, engine.eos_token_ids, engine.vocab_size, engine.max_model_len, draft)
+
     def propose(self, running: Sequence[Request]) -> None:
         """Set ``spec_token_ids`` on each running request (``[]`` where it does not speculate this step)."""
         budget = self.policy.step_budget(len(running))
