@@ -59,27 +59,36 @@ class StandInWorker:
                 if "BUSYGROUP" not in str(exc):
                     raise
         r.close()
+        # one pooled client for the requests' writers (a client per request paid a connection and its handshake)
+        self._redis = redis.Redis.from_url(self.redis_url)
         self._pubsub_ready = threading.Event()
-        self._reader_id: int | None = None
-        for target in (self._read_loop, self._abort_loop):
-            t = threading.Thread(target=target, daemon=True)
+        self._reader_ids: dict[threading.Thread, int] = {}
+        # one reader per consumer group, blocked in XREADGROUP until an entry arrives (polling the three streams
+        # in turn cost up to ~60 ms before a request was picked up); ``stop`` wakes them with CLIENT UNBLOCK
+        groups = {keys.PREFILL_GROUP: [keys.PREFILL_STREAM],
+                  keys.DECODE_GROUP: [keys.decode_stream(p) for p in self.pod_ids]}
+        ready = threading.Barrier(len(groups) + 1)
+        readers = [threading.Thread(target=self._read_loop, args=(group, streams, ready), daemon=True)
+                   for group, streams in groups.items()]
+        for t in [*readers, threading.Thread(target=self._abort_loop, daemon=True)]:
             t.start()
             self._threads.append(t)
-        self._reader = self._threads[0]
+        ready.wait(5)
         self._pubsub_ready.wait(5)
 
     def stop(self) -> None:
         self._stop.set()
-        # Redis times out a blocked XREADGROUP only at its 10 Hz tick (~0.1 s per stream the loop reads), which
-        # was most of a router test's teardown: CLIENT UNBLOCK wakes the read loop at once.
+        # a reader blocked in XREADGROUP wakes only when an entry arrives or its block times out: CLIENT UNBLOCK
+        # wakes it at once (tried until it has left, in case it was between two reads)
         r = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + 10
-        for t in self._threads:
+        for t in self._threads:  # the readers may still add a request's thread
             while t.is_alive() and time.monotonic() < deadline:
-                if t is self._reader and self._reader_id is not None:
-                    r.client_unblock(self._reader_id)
+                if t in self._reader_ids:
+                    r.client_unblock(self._reader_ids[t])
                 t.join(0.01)
         r.close()
+        self._redis.close()
 
     def _streams(self) -> list[tuple[str, str]]:
         return [(keys.PREFILL_STREAM, keys.PREFILL_GROUP)] + [
@@ -100,23 +109,22 @@ class StandInWorker:
         pubsub.close()
         r.close()
 
-    def _read_loop(self) -> None:
+    def _read_loop(self, group: str, streams: list[str], ready: threading.Barrier) -> None:
         r = redis.Redis.from_url(self.redis_url, single_connection_client=True)
-        self._reader_id = r.client_id()
+        self._reader_ids[threading.current_thread()] = r.client_id()
+        ready.wait(5)
         while not self._stop.is_set():
-            for stream, group in self._streams():
-                if self._stop.is_set():
-                    break
-                reply = r.xreadgroup(group, "stand-in", {stream: ">"}, count=16, block=20)
-                for _, entries in reply or []:
-                    for entry_id, fields in entries:
-                        req = PrefillRequest.decode(fields)
-                        self.received.append(Received(stream, req))
-                        r.xack(stream, group, entry_id)
-                        r.xdel(stream, entry_id)
-                        t = threading.Thread(target=self._serve, args=(req,), daemon=True)
-                        t.start()
-                        self._threads.append(t)
+            reply = r.xreadgroup(group, "stand-in", dict.fromkeys(streams, ">"), count=16, block=1000)
+            for stream, entries in reply or []:
+                stream = stream.decode()
+                for entry_id, fields in entries:
+                    req = PrefillRequest.decode(fields)
+                    self.received.append(Received(stream, req))
+                    r.xack(stream, group, entry_id)
+                    r.xdel(stream, entry_id)
+                    t = threading.Thread(target=self._serve, args=(req,), daemon=True)
+                    t.start()
+                    self._threads.append(t)
         r.close()
 
     # ---- one request -------------------------------------------------------------------------
@@ -129,52 +137,49 @@ class StandInWorker:
         return ids * (req.sampling_params.max_tokens // len(ids) + 1)
 
     def _serve(self, req: PrefillRequest) -> None:
-        r = redis.Redis.from_url(self.redis_url)
+        r = self._redis
         writer = OutputWriter(r)
 
         def emit(event: OutputEvent) -> bool:
             return bool(writer.write(event))
 
-        try:
-            if r.exists(keys.aborted_key(req.request_id)):
+        if r.exists(keys.aborted_key(req.request_id)):
+            return
+        prompt_text = self.tokenizer.decode(req.prompt_token_ids)
+        if "TRIGGER_WORKER_ERROR" in prompt_text:
+            emit(OutputEvent(req.request_id, req.choice_index, prompt_tokens=len(req.prompt_token_ids),
+                             error={"message": "the stand-in worker failed", "type": "InternalServerError",
+                                    "code": 500}))
+            return
+        params = req.sampling_params.to_dict()
+        script = self.script(req)
+        generated: list[int] = []
+        text_so_far = ""
+        k = params.get("logprobs")
+        if self.prefill_s:
+            time.sleep(self.prefill_s)
+        for token in script[: params["max_tokens"]]:
+            if req.request_id in self.aborted or self._stop.is_set():
                 return
-            prompt_text = self.tokenizer.decode(req.prompt_token_ids)
-            if "TRIGGER_WORKER_ERROR" in prompt_text:
-                emit(OutputEvent(req.request_id, req.choice_index, prompt_tokens=len(req.prompt_token_ids),
-                                 error={"message": "the stand-in worker failed", "type": "InternalServerError",
-                                        "code": 500}))
+            generated.append(token)
+            is_eos = token == self._eos and not params.get("ignore_eos")
+            visible = [t for t in generated if t != self._eos]
+            text = self.tokenizer.decode(visible, skip_special_tokens=True)
+            delta, text_so_far = text[len(text_so_far):], text
+            done = is_eos or len(generated) == params["max_tokens"]
+            logprobs = None
+            if k is not None:
+                top = [(token, -0.25), (token + 1, -1.5), (token + 2, -3.0)][:k]
+                logprobs = [TokenLogprob(token, -0.25, top)]
+            event = OutputEvent(req.request_id, req.choice_index, [token], delta,
+                                ("stop" if is_eos else "length") if done else None, logprobs,
+                                prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(generated))
+            if "TRIGGER_OUTPUT_GAP" in prompt_text and len(generated) == 3 and not done:
+                continue  # this event is lost on its way
+            if not emit(event):
                 return
-            params = req.sampling_params.to_dict()
-            script = self.script(req)
-            generated: list[int] = []
-            text_so_far = ""
-            k = params.get("logprobs")
-            if self.prefill_s:
-                time.sleep(self.prefill_s)
-            for token in script[: params["max_tokens"]]:
-                if req.request_id in self.aborted or self._stop.is_set():
-                    return
-                generated.append(token)
-                is_eos = token == self._eos and not params.get("ignore_eos")
-                visible = [t for t in generated if t != self._eos]
-                text = self.tokenizer.decode(visible, skip_special_tokens=True)
-                delta, text_so_far = text[len(text_so_far):], text
-                done = is_eos or len(generated) == params["max_tokens"]
-                logprobs = None
-                if k is not None:
-                    top = [(token, -0.25), (token + 1, -1.5), (token + 2, -3.0)][:k]
-                    logprobs = [TokenLogprob(token, -0.25, top)]
-                event = OutputEvent(req.request_id, req.choice_index, [token], delta,
-                                    ("stop" if is_eos else "length") if done else None, logprobs,
-                                    prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(generated))
-                if "TRIGGER_OUTPUT_GAP" in prompt_text and len(generated) == 3 and not done:
-                    continue  # this event is lost on its way
-                if not emit(event):
-                    return
-                if done:
-                    self.finished.append(req.request_id)
-                    return
-                if self.delay_s:
-                    time.sleep(self.delay_s)
-        finally:
-            r.close()
+            if done:
+                self.finished.append(req.request_id)
+                return
+            if self.delay_s:
+                time.sleep(self.delay_s)
