@@ -99,7 +99,7 @@ async def test_a_dead_decode_pods_own_request_stream_leaves_redis(redis_url):
     import redis
 
     from pdserve.shared.protocol import keys
-    r = Registry(redis_url, pod_ttl_s=0.2)
+    r = Registry(redis_url, pod_ttl_s=0.1)
     sync = redis.Redis.from_url(redis_url)
     stream = keys.decode_stream("decode-0")
     try:
@@ -108,7 +108,7 @@ async def test_a_dead_decode_pods_own_request_stream_leaves_redis(redis_url):
         sync.xadd(keys.decode_stream("prefill-0"), {"data": b"x"})
         await r.client.heartbeat(pod())
         await r.client.heartbeat(pod("prefill-0", "prefill"))
-        assert 1000 < sync.pttl(stream) <= 2000
+        assert 500 < sync.pttl(stream) <= 1000
         assert sync.pttl(keys.decode_stream("prefill-0")) == -1  # not a decode pod: untouched
         await until(lambda: asyncio.sleep(0, not sync.exists(stream)), timeout_s=10)
     finally:

@@ -322,7 +322,7 @@ def test_request_over_the_concurrency_limit_gets_429_with_retry_after(redis_url,
                                           max_concurrent_requests=1), processor, pods)
     try:
         with httpx.stream("POST", limited.url + "/v1/completions", timeout=30,
-                          json={"model": MODEL, "prompt": "Hi", "max_tokens": 40, "stream": True}) as first:
+                          json={"model": MODEL, "prompt": "Hi", "max_tokens": 20, "stream": True}) as first:
             chunks = read_chunks(first.iter_lines())  # (dropping it would close the stream: a client disconnect)
             next(chunks)  # the first request is being served
             resp = httpx.post(limited.url + "/v1/completions", json=completion(max_tokens=5)[1], timeout=30)

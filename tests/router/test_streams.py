@@ -48,8 +48,8 @@ def test_a_stream_longer_than_the_old_ping_interval_has_only_data_lines(router, 
 
 def test_keep_alive_pings_are_opt_in_and_the_strict_parser_catches_them(redis_url, registry_url, processor,
                                                                          pods, worker):
-    worker.delay_s = 0.25
-    server = start_router(RouterSettings(redis_url=redis_url, registry_url=registry_url, sse_ping_s=0.5),
+    worker.delay_s = 0.1  # 12 tokens: ~1.1 s, five ping intervals
+    server = start_router(RouterSettings(redis_url=redis_url, registry_url=registry_url, sse_ping_s=0.2),
                           processor, pods)
     body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 12, "stream": True}
     try:
@@ -63,7 +63,7 @@ def test_keep_alive_pings_are_opt_in_and_the_strict_parser_catches_them(redis_ur
 
 
 def test_chat_stream_opens_with_the_role_only_when_the_first_token_exists(router, worker):
-    worker.prefill_s = 1.5  # the prompt's prefill: no token exists before it ends
+    worker.prefill_s = 0.5  # the prompt's prefill: no token exists before it ends
     body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "stream": True, "n": 2}
     start = time.monotonic()
@@ -73,7 +73,7 @@ def test_chat_stream_opens_with_the_role_only_when_the_first_token_exists(router
         for chunk in read_chunks(resp.iter_lines()):
             arrivals.append((time.monotonic() - start, chunk["choices"][0]))
     first_at, first = arrivals[0]
-    assert first_at >= 1.5
+    assert first_at >= 0.5
     assert first == {"index": first["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
     for index in (0, 1):  # vLLM's shape per choice: the role chunk, then the first token's chunk

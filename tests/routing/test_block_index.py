@@ -262,7 +262,7 @@ async def test_lookup_answers_leading_overlap_and_load_per_alive_pod(registry):
 
 
 async def test_expired_or_deregistered_pod_has_its_blocks_purged(redis_url):
-    reg = Registry(redis_url, pod_ttl_s=2.0)
+    reg = Registry(redis_url, pod_ttl_s=1.0)
     r = aioredis.from_url(redis_url)
     try:
         c = reg.client
@@ -270,8 +270,8 @@ async def test_expired_or_deregistered_pod_has_its_blocks_purged(redis_url):
         await c.heartbeat(pod("d1"))
         await c.publish_kv_events(batch("d0", "e", (1, "stored", [h(1), h(2)])))
         await c.publish_kv_events(batch("d1", "e", (1, "stored", [h(1)])))
-        for _ in range(6):  # d1 keeps beating, d0 has gone quiet (3 s > its 2 s TTL)
-            await asyncio.sleep(0.5)
+        for _ in range(8):  # d1 keeps beating, d0 has gone quiet (1.6 s > its 1 s TTL)
+            await asyncio.sleep(0.2)
             await c.heartbeat(pod("d1"))
         assert await r.exists(blocks_key("d0"), seq_key("d0")) == 0
         assert await r.exists(blocks_key("d1"), seq_key("d1")) == 2

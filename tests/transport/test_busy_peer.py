@@ -29,7 +29,7 @@ class SlowReceiver(PoolReceiver):
 
 
 async def reserve_on_slow_pod(layout, alive: bool):
-    receiver = SlowReceiver(layout, delay_s=1.5)
+    receiver = SlowReceiver(layout, delay_s=0.9)
     server = KVTransferServer(receiver, SECRET, host="127.0.0.1", port=0)
     await server.start()
     asked = []
@@ -38,7 +38,7 @@ async def reserve_on_slow_pod(layout, alive: bool):
         asked.append((host, port))
         return alive
 
-    client = KVTransferClient("127.0.0.1", server.port, layout, SECRET, request_timeout_s=0.4, peer_alive=peer_alive)
+    client = KVTransferClient("127.0.0.1", server.port, layout, SECRET, request_timeout_s=0.3, peer_alive=peer_alive)
     try:
         await client.connect()
         try:
@@ -60,7 +60,7 @@ async def test_a_live_busy_pod_is_waited_for(layout):
 async def test_a_pod_whose_heartbeat_stopped_fails_the_frame_with_a_reason(layout):
     exc, asked, port = await reserve_on_slow_pod(layout, alive=False)
     assert isinstance(exc, KVTransferError) and exc.timed_out and exc.unreachable
-    assert str(exc) == f"127.0.0.1:{port} did not answer reserve within 0.4 s and its heartbeat stopped"
+    assert str(exc) == f"127.0.0.1:{port} did not answer reserve within 0.3 s and its heartbeat stopped"
     assert len(asked) == 1
 
 
