@@ -10,6 +10,8 @@ import os as _os
 # 1-thread one, siblings spinning at every barrier while the other was descheduled; passive measured
 # ~1.2x the 1-thread CPU at ~0.6x its wall time (loadtest/README.md "Offline throughput"). libgomp reads
 # this when it loads, so it must be set before torch is imported; an explicit setting wins.
+# ENV_SET_ON_IMPORT names what this import added, so benchmarks can leave it out of other projects' servers.
+ENV_SET_ON_IMPORT = () if "OMP_WAIT_POLICY" in _os.environ else ("OMP_WAIT_POLICY",)
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

@@ -52,18 +52,14 @@ def process_role(proc: psutil.Process) -> str:
 
 def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     """pid -> (role, user + system CPU seconds) for ``root`` and every descendant."""
-    try:
-        procs = [psutil.Process(root)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        return {}
+    from pdserve.loadtest.procs import tree_cpu_seconds
+
     out = {}
-    for p in procs:
+    for pid, cpu in tree_cpu_seconds(root).items():
         try:
-            t = p.cpu_times()
-            out[p.pid] = (process_role(p), t.user + t.system + t.children_user + t.children_system)
+            out[pid] = (process_role(psutil.Process(pid)), cpu)
         except psutil.NoSuchProcess:
-            pass
+            out[pid] = ("other", cpu)
     return out
 
 

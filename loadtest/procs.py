@@ -18,6 +18,63 @@ from collections.abc import Iterator
 from pdserve.loadtest.errors import LoadTestError
 
 
+# Variables of this process that must not reach a server of another project: PYTHONPATH points at pdserve's tree
+# (in a foreign venv it could shadow that venv's own packages), PYTHONHOME and PYTHONSTARTUP change which Python runs.
+FOREIGN_ENV_DROP = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
+
+
+def foreign_env() -> dict[str, str]:
+    """The environment for a server that is not pdserve (``vllm serve``, SGLang): the user's own, less what pdserve
+    put there. Drops ``FOREIGN_ENV_DROP`` and ``OMP_WAIT_POLICY`` when ``import pdserve`` set it (pdserve's thread
+    policy, not the user's: a foreign server runs with its own defaults, as from the user's shell)."""
+    import pdserve
+
+    env = {k: v for k, v in os.environ.items() if k not in FOREIGN_ENV_DROP}
+    for key in pdserve.ENV_SET_ON_IMPORT:
+        env.pop(key, None)
+    return env
+
+
+def tree_cpu_seconds(root: int) -> dict[int, float]:
+    """pid -> user + system CPU seconds (its own and its reaped children's) for ``root`` and every live descendant,
+    read from /proc (psutil). Empty when ``root`` is gone. Diff two readings with :func:`cpu_delta`."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(root)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system + t.children_user + t.children_system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds the tree spent between two :func:`tree_cpu_seconds` readings. A process born in between counts
+    from zero; one that exited in between counts only if a process of the tree reaped it (its parent's children
+    times), so a tree whose workers come and go under load reads low, never high."""
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+
+
+def listening_pid(port: int) -> int | None:
+    """The pid of the process listening on TCP ``port`` on this machine, or None (no listener, or not visible to this
+    user): how a server that was started elsewhere is found for CPU accounting."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except psutil.AccessDenied:
+        return None
+    pids = {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+    return min(pids) if pids else None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -96,14 +153,16 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 
 @contextmanager
 def running(cmd: list[str], health_url: str, timeout_s: float = 300.0, env: dict[str, str] | None = None,
-            serving_model: str | None = None) -> Iterator[subprocess.Popen]:
+            serving_model: str | None = None, foreign: bool = False) -> Iterator[subprocess.Popen]:
     """Run ``cmd`` in its own process group until the block ends; its output goes to a temp log.
 
     Ready means ``GET health_url`` answers 200 and, with ``serving_model``, that one completion succeeds.
+    ``env`` is added to this process's environment, or with ``foreign`` (a server that is not pdserve) to
+    :func:`foreign_env`.
     """
     log = tempfile.NamedTemporaryFile(prefix="pdserve-bench-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+                            env={**(foreign_env() if foreign else os.environ), **(env or {})})
     try:
         start = time.monotonic()
         wait_healthy(health_url, proc, log.name, timeout_s)

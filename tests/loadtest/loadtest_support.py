@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 TOKENIZER = "smollm2-135m-instruct"
+STANDIN = Path(__file__).with_name("standin_server.py")  # a two-process stand-in for another project's server
 
 
 class Mock:

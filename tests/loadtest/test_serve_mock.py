@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -12,7 +13,7 @@ from pdserve.loadtest.arrivals import arrival_times
 from pdserve.loadtest.cli import bench
 from pdserve.loadtest.procs import free_port
 
-from loadtest_support import TOKENIZER
+from loadtest_support import STANDIN, TOKENIZER
 
 pytestmark = pytest.mark.slow
 
@@ -205,3 +206,24 @@ def test_queue_wait_for_a_concurrency_slot_is_printed_beside_ttft_and_e2el(mock,
     assert printed["Mean queue wait (ms)"] == pytest.approx(res["mean_queue_wait_ms"], abs=0.01)
     assert printed["Mean E2EL incl. queue (ms)"] == pytest.approx(res["mean_e2el_incl_queue_ms"], abs=0.01)
     assert printed["P99 TTFT incl. queue (ms)"] == pytest.approx(res["p99_ttft_incl_queue_ms"], abs=0.01)
+
+
+def test_serve_compare_sends_the_same_requests_to_each_server_in_turns(mock, tmp_path):
+    out = tmp_path / "cmp.json"
+    before = mock.generation_requests()
+    r = CliRunner().invoke(bench, [
+        "serve-compare", "--model", "mock-model", "--tokenizer", TOKENIZER, "--server", f"attached={mock.url}",
+        "--server", f"standin={sys.executable} {STANDIN} {{port}}", "--dataset", "random", "--num-prompts", "3",
+        "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos", "--request-rates", "inf",
+        "--disable-tqdm", "--save-result", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    runs = {run["server"]: run["result"] for run in res["runs"]}
+    assert runs["attached"]["completed"] == 3 and runs["attached"]["output_lens"] == [4] * 3
+    assert mock.generation_requests() - before == 3
+    assert runs["attached"]["server_cpu_s"] > 0
+    assert runs["attached"]["output_tokens_per_cpu_s"] == pytest.approx(12 / runs["attached"]["server_cpu_s"])
+    # the stand-in answers with one JSON body, not a stream: strict SSE fails its requests, the run goes on
+    assert runs["standin"]["failed"] == 3 and runs["standin"]["completed"] == 0
+    assert set(runs["standin"]["failed_by_status"]) == {"stream_error"}
+    assert "| attached | 1 |" in r.output and "attached: " in r.output and "x attached" in r.output
