@@ -34,6 +34,10 @@ class PrefillSettings(WorkerSettings):
     # cap beyond max_inflight).
     max_waiting_kv_bytes: int = Field(4 << 30, description=(
         "Prefilled KV held for decode pods, in bytes, before no new prompt is taken (0 = no cap)."))
-    # The token budget per step (prefill chunk): an abort, a stats call or a new request waits at most one step,
-    # so a long prompt is prefilled in chunks of this size rather than in one step of minutes on a busy CPU.
-    max_num_batched_tokens: int = Field(512, ge=1, description="Token budget per step (the prefill chunk).")
+    # The token budget per step (prefill chunk), vLLM's name and its CPU `vllm serve` default (2048 per rank); the
+    # chart's engine.maxNumBatchedTokens sets the same. A burst of the benchmarks' prompts (16-256 tokens, 136 on
+    # average) runs 17 at a time in 3 steps instead of 6 in 9 at 512, for the same prompt tokens per CPU-second
+    # (`pdserve bench prefill-budget`, loadtest/README.md): prefill-only steps interleave no decodes, so a larger chunk
+    # costs no ITL; what it costs is the wait of an abort, a stats call or a new request (one chunk, about 11 CPU-s
+    # of the default model in bf16 at 1 thread on a 2-core AVX2 host) and the burst's TTFT p50.
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (the prefill chunk).")

@@ -7,13 +7,14 @@ import os
 import shutil
 
 
-def make_tiny_llama(path, model_dir) -> str:
+def make_tiny_llama(path, model_dir, max_position_embeddings: int = 256) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=256, tie_word_embeddings=False)
+                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=max_position_embeddings,
+                         tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     for name in os.listdir(model_dir):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
