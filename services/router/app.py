@@ -37,6 +37,7 @@ from .errors import OpenAIError
 from .metrics import RouterMetrics
 from .middleware import GuardMiddleware, StatusCounter
 from .models import ServedModel
+from .output_streams import OutputStreams
 from .pod_probe import probe_client
 from .params import generation_defaults
 from .prompts import PromptProcessor
@@ -84,7 +85,7 @@ def start_services(app: FastAPI, settings: RouterSettings, processor: PromptProc
                           settings.max_queued_prompt_tokens, settings.retry_after_s)
     state = RouterState(settings=settings, processor=processor, redis=redis, dispatcher=dispatcher, metrics=metrics,
                         defaults=generation_defaults(processor.model_dir), admission=admission, router_id=router_id,
-                        http=probe_client())
+                        http=probe_client(), output_streams=OutputStreams(redis))
     model = ServedModel(settings.served_name, settings.model, processor.max_model_len, state.created)
     app.state.router, app.state.model = state, model
     app.state.service = CompletionService(state, model, app.state.drain)
@@ -138,6 +139,7 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
             if owned is not None:
                 await owned.aclose()
             await state.http.aclose()
+            await state.output_streams.aclose()
             await redis.aclose()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)

@@ -120,8 +120,10 @@ class OutputRelay:
     def __init__(self, redis: Redis, routes: list[ChoiceRoute], idle_timeout_s: float, stall_s: float = 0.0,
                  migrate: Migrate | None = None, block_ms: int = 1000, redis_retry_s: float = 30.0,
                  stop: tuple[asyncio.Event, Callable[[], Exception]] | None = None,
-                 watch: Any = None) -> None:
+                 watch: Any = None, reader: Any = None) -> None:
         self.watch = watch  # a PrefillWatch, or None
+        # what XREADs the output streams: the router's shared OutputStreams (one XREAD for all relays), or Redis
+        self.reader = reader if reader is not None else redis
         self.redis_retry_s = redis_retry_s
         self.stop = stop  # (event, error): once the event is set, the next read raises the error (shutdown)
         self.redis = redis
@@ -147,6 +149,18 @@ class OutputRelay:
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, OutputEvent]]:
         last_ids = {i: (keys.output_stream(r.request_id), "0-0") for i, r in enumerate(self.routes) if not r.done}
+        read: set[str] = set()  # every stream this relay read: released from a shared reader when it ends
+        relay = self._relay(last_ids, read)
+        try:
+            async for item in relay:
+                yield item
+        finally:
+            await relay.aclose()
+            if self.reader is not self.redis:
+                self.reader.release(read)
+
+    async def _relay(self, last_ids: dict[int, tuple[str, str]], read: set[str]
+                     ) -> AsyncIterator[tuple[int, OutputEvent]]:
         last_any = time.monotonic()
         outage: float | None = None
         block_ms = self.block_ms if not self.stall_s else max(50, min(self.block_ms, int(self.stall_s * 500)))
@@ -154,8 +168,9 @@ class OutputRelay:
             if self.stop is not None and self.stop[0].is_set():
                 raise self.stop[1]()
             by_name = {name: i for i, (name, _) in last_ids.items()}
+            read.update(by_name)
             try:
-                reply = await self.redis.xread({name: last for name, last in last_ids.values()}, block=block_ms,
+                reply = await self.reader.xread({name: last for name, last in last_ids.values()}, block=block_ms,
                                                count=256)
                 outage = None
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:

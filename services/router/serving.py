@@ -30,6 +30,7 @@ from .drain import Drain
 from .errors import OpenAIError
 from .metrics import ChoiceTiming, RouterMetrics
 from .migration import Migrator, health_url
+from .output_streams import OutputStreams
 from .models import ServedModel
 from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, echo_only, echo_prefixes,
                      requested_max_tokens)
@@ -63,6 +64,8 @@ class RouterState:
     router_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # one client for the pods' own HTTP ports (pod_probe.py); None: each probe makes its own (tests)
     http: httpx.AsyncClient | None = None
+    # one XREAD for every relay's output streams (output_streams.py); None: each relay reads Redis itself
+    output_streams: OutputStreams | None = None
 
     @property
     def active(self) -> int:
@@ -272,7 +275,7 @@ class CompletionService:
         stop = (self.drain.expired, self.drain.error) if self.drain is not None else None
         return OutputRelay(st.redis, job.routes, settings.request_timeout_s, settings.migration_stall_s,
                            migrate if settings.migration_stall_s else None, redis_retry_s=settings.redis_retry_s,
-                           stop=stop, watch=watch)
+                           stop=stop, watch=watch, reader=st.output_streams)
 
     async def events(self, job: Job) -> AsyncIterator[tuple[int, OutputEvent]]:
         """``(choice index, event)`` as the workers write them, deduplicated; a worker's error is raised as the
