@@ -8,13 +8,19 @@ One workload (``--num-requests`` random-id prompts of 16-256 tokens, ``--output-
 - ``disaggregated``: ``pdserve up --prefill 1 --decode 1``.
 
 Each ensemble is started, warmed up with a few requests, measured, and stopped; the modes run in turns
-(offline, colocated, disaggregated, offline, ...) for ``--rounds``. CPU time (user + system) is read with psutil
+(offline, disaggregated, colocated, offline, ...) for ``--rounds``. Each ensemble's turn is divided by the offline
+turn of the same round, and the summary gives the median of these per-round ratios beside the pooled ratio (all
+CPU-s / all tokens): on a shared machine the offline engine's own CPU per token moves between turns, and a
+median over rounds of same-round ratios is what one noisy turn cannot swing. CPU time (user + system) is read with psutil
 for every process of the ensemble (the ``up`` supervisor and all its children) before and after the load, so each
 hop's share shows: router (HTTP in, SSE out, the output relay), Redis (queue, output streams), registry, and each
 worker (engine, hand-over). The client's own CPU is left out. ``--pin`` pins the tiers to their own cores, as
 ``pd-vs-colocated --pin`` does (``pin_args``).
 
-    pdserve bench ensemble-cpu --num-requests 32 --output-len 64 --rounds 2
+    pdserve bench ensemble-cpu --num-requests 32 --output-len 64 --rounds 3
+
+``--offline-threads`` sets the offline engine's torch threads (default: every core this process may use, 2 here;
+under ``pdserve up`` on 2 cores 1P+1D's workers get 1 each and the colocated worker 2).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -136,6 +143,27 @@ def _line(mode: str, r: dict) -> str:
             + (f"\n      CPU-s by process: {parts}" if parts else ""))
 
 
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per mode: pooled CPU-ms per token (all rounds' CPU-s over all their tokens), its ratio to the offline engine's
+    pooled figure, each round's ratio to the same round's offline turn, and the median of those. Ratios are NaN
+    without an offline run."""
+    def ms(r: dict) -> float:
+        return 1e3 * r["cpu_seconds"] / r["output_tokens"]
+
+    base = runs.get("offline") or []
+    pooled_base = 1e3 * sum(r["cpu_seconds"] for r in base) / sum(r["output_tokens"] for r in base) if base else None
+    out = {}
+    for m, rs in runs.items():
+        if not rs:
+            continue
+        pooled = 1e3 * sum(r["cpu_seconds"] for r in rs) / sum(r["output_tokens"] for r in rs)
+        per_round = [ms(r) / ms(b) for r, b in zip(rs, base)]
+        out[m] = {"cpu_ms_per_token": pooled, "x_offline": pooled / pooled_base if pooled_base else float("nan"),
+                  "round_x_offline": per_round,
+                  "median_x_offline": statistics.median(per_round) if per_round else float("nan")}
+    return out
+
+
 @click.command("ensemble-cpu")
 @click.option("--model", default="smollm2-135m-instruct", show_default=True)
 @click.option("--num-requests", default=32, show_default=True, help="All sent at once: this many in flight.")
@@ -143,15 +171,17 @@ def _line(mode: str, r: dict) -> str:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]))
 @click.option("--kv-cache-memory", "kv", default="1GiB", show_default=True)
-@click.option("--rounds", default=1, show_default=True, help="Turns per mode (A B C A B C ...).")
+@click.option("--rounds", default=3, show_default=True, help="Turns per mode (A B C A B C ...).")
+@click.option("--offline-threads", type=click.IntRange(min=1), default=None,
+              help="The offline engine's torch threads [default: every core this process may use].")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(["offline", *MODES]),
               help="Run only these (default all three).")
 @click.option("--pin", is_flag=True, help="Pin the tiers to their own cores (see pd-vs-colocated --pin).")
 @click.option("--up-arg", "up_args", multiple=True, help="Extra argument for `pdserve up` (repeatable).")
 @click.option("--up-timeout", type=float, default=600.0, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
-def ensemble_cpu_command(model, num_requests, output_len, seed, dtype, kv, rounds, modes, pin, up_args, up_timeout,
-                         json_out) -> None:
+def ensemble_cpu_command(model, num_requests, output_len, seed, dtype, kv, rounds, offline_threads, modes, pin,
+                         up_args, up_timeout, json_out) -> None:
     """CPU per generated token: offline engine vs `pdserve up` colocated and 1P+1D, same requests, in turns."""
     from transformers import AutoConfig
 
@@ -163,10 +193,10 @@ def ensemble_cpu_command(model, num_requests, output_len, seed, dtype, kv, round
     model_dir = str(resolve_model(model))
     prompts, outputs = make_workload(num_requests, seed, AutoConfig.from_pretrained(model_dir).vocab_size,
                                      output_range=(output_len, output_len))
-    threads = len(os.sched_getaffinity(0))
+    threads = offline_threads or len(os.sched_getaffinity(0))
     click.echo(f"ensemble-cpu: {num_requests} requests at once (prompts 16-256, {output_len} out), {dtype}, greedy, "
                f"ignore_eos, KV {kv}; modes {', '.join(modes)} in turns x {rounds}{', pinned' if pin else ''}; "
-               f"load average {os.getloadavg()[0]:.1f}")
+               f"offline engine {threads} thread(s); load average {os.getloadavg()[0]:.1f}")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     offline = None
     try:
@@ -187,12 +217,11 @@ def ensemble_cpu_command(model, num_requests, output_len, seed, dtype, kv, round
     finally:
         if offline is not None:
             offline.close()
-    summary = {m: 1e3 * sum(r["cpu_seconds"] for r in rs) / sum(r["output_tokens"] for r in rs)
-               for m, rs in runs.items() if rs}
-    click.echo(f"\n{'mode':<15}{'CPU-ms/tok':>11}{'x offline':>11}")
-    for m, ms in summary.items():
-        ratio = ms / summary["offline"] if "offline" in summary else float("nan")
-        click.echo(f"{m:<15}{ms:>11.1f}{ratio:>11.2f}")
+    summary = summarize(runs)
+    click.echo(f"\n{'mode':<15}{'CPU-ms/tok':>11}{'x offline':>11}{'median x':>10}   per round (x that round's offline)")
+    for m, row in summary.items():
+        click.echo(f"{m:<15}{row['cpu_ms_per_token']:>11.1f}{row['x_offline']:>11.2f}{row['median_x_offline']:>10.2f}"
+                   f"   {' '.join(f'{x:.2f}' for x in row['round_x_offline'])}")
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"runs": runs, "cpu_ms_per_token": summary}, f, indent=2)
+            json.dump({"runs": runs, "summary": summary}, f, indent=2)
