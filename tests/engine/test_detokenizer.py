@@ -3,10 +3,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer, check_stop_token
-from pdserve.shared.models.resolve import resolve_model
 from pdserve.shared.protocol.sampling_params import SamplingParams
 
 REPLACEMENT = "\ufffd"
@@ -19,11 +17,6 @@ TEXTS = [
     "def f(x):\n    return x  # tabs\tand  spaces   \n\n\n",
     "<|im_start|>literal special-looking text<|im_end|> after",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="module")
