@@ -30,6 +30,7 @@ import psutil
 import torch
 
 from pdserve.loadtest.offline_throughput import MODEL, make_workload
+from pdserve.loadtest.procs import foreign_env
 
 WORKER = Path(__file__).with_name("throughput_worker.py")
 SYSTEMS = ("pdserve", "hf-static", "hf-continuous", "vllm", "pdserve-ref-attn")
@@ -217,12 +218,13 @@ def throughput_command(num_requests, seed, dtype, rounds, kv_gib, hf_batch_size,
     roof = measure_roofline(getattr(torch, dtype), threads)
     spec = {"model_dir": model_dir, "dtype": dtype, "kv_bytes": int(kv_gib * (1 << 30)), "max_model_len": max_model_len,
             "threads": threads, "hf_batch_size": hf_batch_size, "prompts": prompts, "outputs": outputs}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
-           "TOKENIZERS_PARALLELISM": "false"}
+    run_env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", "TOKENIZERS_PARALLELISM": "false"}
     contenders, runs = [], {s: [] for s in systems}
     try:
         for s in list(systems):
             try:
+                # vLLM runs in the user's environment less what pdserve's import set (its thread policy)
+                env = {**(foreign_env() if s == "vllm" else os.environ), **run_env}
                 contenders.append(Contender(s, vllm_python if s == "vllm" else sys.executable, spec, env, log_dir))
             except (RuntimeError, ValueError) as e:  # one contender that cannot start must not sink the others
                 if s.startswith("pdserve"):
