@@ -78,6 +78,7 @@ def _register() -> None:
     from pdserve.loadtest.kv_routing_bench import kv_routing_command
     from pdserve.loadtest.kv_transfer_bench import kv_transfer_command
     from pdserve.loadtest.spec_bench import spec_command
+    from pdserve.loadtest.step_bench import step_command
     from pdserve.loadtest.ensemble_cpu import ensemble_cpu_command
     from pdserve.loadtest.prefill_budget import prefill_budget_command
     from pdserve.loadtest.serve_compare import serve_compare_command
@@ -94,6 +95,7 @@ def _register() -> None:
     bench.add_command(overload_command, "overload")
     bench.add_command(throughput_command, "throughput")
     bench.add_command(spec_command, "spec")
+    bench.add_command(step_command, "step")
     bench.add_command(tp_command, "tp")
 
 
