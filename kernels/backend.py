@@ -86,7 +86,9 @@ class CpuAttentionBackend:
         self._kernel = cpu_attention
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self._ref.reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+        # one C pass per layer instead of a mask, a sync and two index_copy_ (about 4 ms of a decode step at batch 4)
+        if not self._kernel.reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping):
+            self._ref.reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, md, scale) -> torch.Tensor:
         if not self._kernel.supports(query.dtype, k_cache.shape[1]):

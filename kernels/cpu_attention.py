@@ -43,6 +43,10 @@ def load() -> ctypes.CDLL | None:
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [
         ctypes.c_float, ctypes.c_int]
+    lib.reshape_and_cache.restype = ctypes.c_int
+    lib.reshape_and_cache.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_int]
     _lib = lib
     return lib
 
@@ -87,3 +91,25 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if rc != 0:
         raise RuntimeError(f"paged_attention_cpu failed (block_size {block_size} > 32, or out of memory)")
     return out
+
+
+def reshape_and_cache_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> bool:
+    """``attention_ref.reshape_and_cache_ref`` in one C pass: each token's K/V [num_tokens, num_kv_heads, head_dim]
+    (rows may be strided, heads contiguous) into its slot of the contiguous caches; slot -1 is skipped. Returns
+    False, writing nothing, where the tensors do not fit that layout (the caller then takes the reference)."""
+    lib = load()
+    row = k_cache.shape[2] * k_cache.shape[3]
+    if (lib is None or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or key.dtype != value.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or slot_mapping.dtype != torch.int64
+            or key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or v_cache.shape != k_cache.shape
+            or key.stride(2) != 1 or value.stride(2) != 1 or key.stride(1) != key.shape[2]
+            or value.stride(1) != value.shape[2] or not slot_mapping.is_contiguous()
+            or slot_mapping.numel() != key.shape[0]):
+        return False
+    rc = lib.reshape_and_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+                               v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+                               k_cache.shape[0] * k_cache.shape[1], row, key.element_size())
+    if rc != 0:
+        raise IndexError(f"slot_mapping holds a slot outside the cache's {k_cache.shape[0] * k_cache.shape[1]} slots")
+    return True

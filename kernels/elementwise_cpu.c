@@ -34,11 +34,16 @@ static inline void st(void *p, int64_t i, int dtype, float f) {
     ((uint16_t *)p)[i] = (uint16_t)(v.u >> 16);
 }
 
+/* Fewer elements than this run on the calling thread: a decode step's rows are a few microseconds of work per
+ * call, less than waking OpenMP's sleeping threads (OMP_WAIT_POLICY=PASSIVE) and joining them, 30 layers x 4 calls
+ * a step. Rows are independent, so the split never changes a result. */
+#define PARALLEL_MIN 32768
+
 /* residual (in place) = residual + delta (delta may be NULL: no add); out = weight * dtype(rms_norm_f32(residual))
  * -- transformers' LlamaRMSNorm after the residual add. residual, delta, out: [rows, n] contiguous. */
 void add_rms_norm(void *residual, const void *delta, const void *weight, void *out, int64_t rows, int n, float eps,
                   int dtype) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t o = r * n;
         float ss = 0.0f;
@@ -61,7 +66,7 @@ void add_rms_norm(void *residual, const void *delta, const void *weight, void *o
 
 /* out[r, :] = dtype(silu(gate)) * up where gate_up[r] = [gate (inter) | up (inter)]; out [rows, inter]. */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int inter, int dtype) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t g = r * 2 * (int64_t)inter, o = r * (int64_t)inter;
         for (int i = 0; i < inter; i++) {
@@ -77,7 +82,7 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int inter, int dtype
 void rope(void *x, int64_t row_stride, const void *cos_sin, int64_t max_pos, const int64_t *positions, int64_t rows,
           int heads, int d, int dtype) {
     const int half = d / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * heads * d >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t c = positions[r] * d, s = (max_pos + positions[r]) * d;
         for (int h = 0; h < heads; h++) {

@@ -175,3 +175,22 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
     free(task_r0);
     return failed ? -1 : 0;
 }
+
+/* Writes each token's K and V rows into its slot of the paged caches (what reshape_and_cache_ref does with two
+ * index_copy_): key/value [num_tokens, row] with rows k_stride/v_stride elements apart (views into the fused QKV
+ * projection), row = num_kv_heads * head_dim contiguous elements of elsize bytes; slot -1 (padding) is skipped.
+ * Returns -1, writing nothing, when a slot is past the cache. One pass on the calling thread: a decode step writes
+ * a few KiB per layer, less than an OpenMP fork costs. */
+int reshape_and_cache(const void *key, int64_t k_stride, const void *value, int64_t v_stride, void *k_cache,
+                      void *v_cache, const int64_t *slots, int64_t num_tokens, int64_t num_slots, int64_t row, int elsize) {
+    const size_t bytes = (size_t)row * elsize;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] >= num_slots) return -1;  /* nothing written, as index_copy_ raises first */
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        memcpy((char *)k_cache + s * bytes, (const char *)key + t * k_stride * elsize, bytes);
+        memcpy((char *)v_cache + s * bytes, (const char *)value + t * v_stride * elsize, bytes);
+    }
+    return 0;
+}

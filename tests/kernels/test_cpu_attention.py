@@ -53,3 +53,28 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     tiny = float.fromhex("0x1p-1022")  # the smallest normal double
     assert tiny / 2 > 0
     assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_equals_the_reference_bit_for_bit_and_skips_padding(dtype):
+    """The C cache write (``reshape_and_cache_cpu``) against ``reshape_and_cache_ref`` on strided K/V views of a fused
+    QKV projection, with padding slots (-1) and slots in scattered blocks; a slot past the cache raises and writes
+    nothing."""
+    g = torch.Generator().manual_seed(0)
+    num_blocks, bs, kvh, hd, t = 9, 16, 3, 64, 7
+    qkv = torch.randn(t, (9 + 2 * kvh) * hd, generator=g).to(dtype)
+    k = qkv[:, 9 * hd:(9 + kvh) * hd].view(t, kvh, hd)
+    v = qkv[:, (9 + kvh) * hd:].view(t, kvh, hd)
+    slots = torch.tensor([5 * bs + 3, -1, 1 * bs, 8 * bs + 15, -1, 2 * bs + 7, 6 * bs + 1])
+    caches = [torch.full((num_blocks, bs, kvh, hd), float("nan"), dtype=dtype) for _ in range(4)]
+    reshape_and_cache_ref(k, v, caches[0], caches[1], slots)
+    assert cpu_attention.reshape_and_cache_cpu(k, v, caches[2], caches[3], slots)
+    for ref, out in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(ref.isnan(), out.isnan()) and torch.equal(ref.nan_to_num(), out.nan_to_num())
+    before = [c.clone() for c in caches[2:]]
+    with pytest.raises(IndexError, match="outside the cache's 144 slots"):
+        cpu_attention.reshape_and_cache_cpu(k, v, caches[2], caches[3], torch.tensor([0, 1, 2, 3, 4, 5, 144]))
+    assert all(torch.equal(b.nan_to_num(), c.nan_to_num()) for b, c in zip(before, caches[2:]))
+    # a layout it does not take (K not a row view of heads) is left to the reference: nothing written, False
+    assert not cpu_attention.reshape_and_cache_cpu(k.transpose(1, 2).contiguous().transpose(1, 2), v, caches[2],
+                                                   caches[3], slots)
