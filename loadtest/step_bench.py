@@ -20,6 +20,7 @@ torch profiler does not see the ctypes kernels, which is where most of a step ru
 
     pdserve bench step                                    # batch 32, threads 1 and 2, 3 rounds
     pdserve bench step --threads 1 --rounds 5 --json-out step.json
+    PDSERVE_FUSED_CPU=0 pdserve bench step --attention-backend torch   # the fast paths off, for an A/B
 """
 
 from __future__ import annotations
@@ -286,11 +287,16 @@ def _print_summary(threads: int, s: dict, batch: int) -> None:
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]))
 @click.option("--prompt-len", default="16-256", show_default=True, help="Prompt length range MIN-MAX (tokens).")
 @click.option("--max-num-batched-tokens", default=2048, show_default=True, help="The engine's token budget per step.")
+@click.option("--attention-backend", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "torch"]),
+              help="torch: the reference (gathers + padded SDPA), for an A/B of the CPU kernel.")
 @click.option("--breakdown-steps", default=4, show_default=True, help="Decode steps timed by part (0: none).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def step_command(batch, threads_list, rounds, decode_steps, dtype, prompt_len, max_num_batched_tokens,
-                 breakdown_steps, json_out) -> None:
-    """A decode step and a prefill against their matmul floor, 1 and 2 threads in turns (issue 15)."""
+                 attention_backend, breakdown_steps, json_out) -> None:
+    """A decode step and a prefill against their matmul floor, 1 and 2 threads in turns (issue 15).
+
+    The other CPU fast paths are switched off for an A/B with the engine's own variables: PDSERVE_FUSED_CPU=0,
+    PDSERVE_SKINNY_LINEAR=0, PDSERVE_BF16_MATMUL=native (bf16 GEMMs instead of fp32 weight copies)."""
     from pdserve.shared.engine.config import EngineConfig
     from pdserve.shared.engine.llm_engine import LLMEngine
 
@@ -298,7 +304,7 @@ def step_command(batch, threads_list, rounds, decode_steps, dtype, prompt_len, m
     lo, hi = (int(x) for x in prompt_len.split("-"))
     engine = LLMEngine(EngineConfig(model=MODEL, dtype=dtype, kv_cache_memory_bytes=1 << 30,
                                     enable_prefix_caching=False, max_num_batched_tokens=max_num_batched_tokens,
-                                    max_num_seqs=max(batch, 128)))
+                                    max_num_seqs=max(batch, 128), attention_backend=attention_backend))
     floor, rec = Floor(engine.model), StepRecorder(engine)
     linear = type(engine.model.lm_head).__name__
     click.echo(f"step: {MODEL} {dtype}, batch {batch}, prompts {lo}-{hi} tokens, budget {max_num_batched_tokens} "
