@@ -229,7 +229,7 @@ def breakdown(engine, steps: int) -> dict:
         (model, "forward", t.wrap("model forward: Python, other ops", model.forward)),
         (engine.runner, "prepare_inputs", t.wrap("input preparation", engine.runner.prepare_inputs)),
         (engine, "_sample", t.wrap("sampling", engine._sample)),
-        (engine, "_emit", t.wrap("output processing", engine._emit)),
+        (engine, "_append_token", t.wrap("output processing", engine._append_token)),
         (engine.output, "take_outputs", t.wrap("output processing", engine.output.take_outputs)),
         (sched, "schedule", t.wrap("scheduler", sched.schedule)),
         (sched, "update_after_step", t.wrap("scheduler", sched.update_after_step)),
