@@ -47,5 +47,5 @@ def test_nested_parts_are_timed_exclusively_and_add_up():
     assert outer() == "result"
     total = time.process_time() - c0
     assert timer.calls == {"inner": 1, "outer": 1}
-    assert 0.03 <= timer.cpu["inner"] < 0.045 and 0.02 <= timer.cpu["outer"] < 0.035
+    assert 0.03 <= timer.cpu["inner"] < 0.06 and 0.02 <= timer.cpu["outer"] < 0.05
     assert abs(timer.cpu["inner"] + timer.cpu["outer"] - total) < 0.005
