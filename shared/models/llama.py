@@ -156,6 +156,17 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.tp.all_reduce(self.mlp.down_proj(cpu_elementwise.silu_mul(self.mlp.gate_up_proj(h))))
 
 
+def default_rope(config, theta: float, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos, sin ``[1, P, head_dim]`` in ``dtype`` for ``position_ids [1, P]``: transformers 5's
+    ``LlamaRotaryEmbedding`` of ``rope_type`` default, op for op (its ``compute_default_rope_parameters`` and
+    ``forward``, whose attention scaling is 1.0 for this type)."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    freqs = position_ids[..., None].float() * inv_freq.to(dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype=dtype), emb.sin().to(dtype=dtype)
+
+
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T] int64, positions [T] int64, kv_caches, md) -> hidden [T, hidden_size].
 
@@ -170,7 +181,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # On the meta device (the loader's) the random init fills nothing, yet torch's meta ``normal_`` imports
+        # torch._dynamo on first use: ~2.7 CPU-s of every engine process's start-up. ``_weight`` skips the init.
+        meta = torch.empty(0).is_meta
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size) if meta else None)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -179,12 +194,17 @@ class LlamaForCausalLM(nn.Module):
         self.fused_cpu: bool | None = None  # the element-wise CPU kernels (kernels/cpu_elementwise.py)
 
     def init_rope(self, dtype: torch.dtype) -> None:
-        """Precompute cos/sin for every position with transformers' rotary module (all RoPE types)."""
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        rotary = LlamaRotaryEmbedding(self.config)
+        """Precompute cos/sin for every position with transformers' rotary module (all RoPE types); the plain RoPE of
+        a transformers 5 config (``rope_parameters`` of type ``default``) with the same ops here, since importing
+        ``modeling_llama`` costs every engine process ~1.5 CPU-s (tests/models/test_rope.py: bit-equal)."""
         pos = torch.arange(self.max_positions)[None]
-        cos, sin = rotary(torch.empty(0, dtype=dtype), pos)
+        params = getattr(self.config, "rope_parameters", None) or {}
+        if params.get("rope_type") == "default" and "rope_theta" in params:
+            cos, sin = default_rope(self.config, params["rope_theta"], pos, dtype)
+        else:
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            cos, sin = LlamaRotaryEmbedding(self.config)(torch.empty(0, dtype=dtype), pos)
         self.cos_sin = torch.stack([cos[0], sin[0]]).to(self.embed_tokens.weight.device).contiguous()
 
     def forward(self, input_ids, positions, kv_caches, md: AttentionMetadata) -> torch.Tensor:
