@@ -13,8 +13,10 @@ import pytest
 @pytest.mark.timeout(600)
 def test_contenders_run_in_turns_and_report_tokens_per_cpu_second(tmp_path):
     out_json = tmp_path / "t.json"
+    # seed 52: outputs of 17, 11 and 12 tokens (prompts 84, 156, 105) instead of seed 0's 95, 91 and 21 -- the test
+    # checks the turns and the report, not speed: ~30 decode steps per round instead of ~210
     proc = subprocess.run([sys.executable, "-m", "pdserve.loadtest.cli", "throughput", "--num-requests", "3",
-                           "--rounds", "2", "--skip", "hf-continuous", "--hf-batch-size", "2", "--kv-gib", "0.05",
+                           "--seed", "52", "--rounds", "2", "--skip", "hf-continuous", "--hf-batch-size", "2", "--kv-gib", "0.05",
                            "--json-out", str(out_json)], capture_output=True, text=True, timeout=580)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
