@@ -14,4 +14,6 @@ def run_worker(settings_cls, worker_cls, flags: dict) -> None:
 
     settings = settings_cls(**given(flags))
     setup_logging(settings.log_level)
-    asyncio.run(serve(worker_cls(settings)))
+    worker = worker_cls(settings)
+    worker.freeze_gc_after_start = True  # this process is the worker's alone (Worker.start)
+    asyncio.run(serve(worker))
