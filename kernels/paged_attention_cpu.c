@@ -57,6 +57,31 @@ static inline void store_row(void *base, int64_t idx, int dtype, int d, const fl
     }
 }
 
+/* A task's start: its n query rows from row `first_row` on (every head of kv head kvh's group) as fp32 times
+ * `scale` into qf, and the online softmax's state cleared (acc = 0, m = -inf, l = 0). */
+static void task_begin(const void *q, int64_t q_stride, int64_t first_row, int64_t n, int g, int kvh, int d,
+                       int dtype, float scale, float *qf, float *acc, float *m, float *l) {
+    for (int64_t r = 0; r < n; r++)
+        for (int j = 0; j < g; j++) {
+            float *dst = qf + (r * g + j) * d;
+            load_row(q, (first_row + r) * q_stride + (int64_t)(kvh * g + j) * d, dtype, d, dst);
+            for (int i = 0; i < d; i++) dst[i] *= scale;
+        }
+    memset(acc, 0, sizeof(float) * n * g * d);
+    for (int64_t i = 0; i < n * g; i++) { m[i] = -INFINITY; l[i] = 0.0f; }
+}
+
+/* A task's end: each row's accumulator divided by its softmax sum, stored into out[row, head]. */
+static void task_end(void *out, int64_t first_row, int64_t n, int g, int kvh, int num_heads, int d, int dtype,
+                     const float *acc, const float *l) {
+    for (int64_t r = 0; r < n; r++)
+        for (int j = 0; j < g; j++) {
+            const int64_t qi = r * g + j;
+            store_row(out, ((first_row + r) * num_heads + kvh * g + j) * (int64_t)d, dtype, d, acc + qi * d,
+                      1.0f / l[qi]);
+        }
+}
+
 /* One task: rows [r0, r1) of sequence s (row indices relative to the sequence's first query row), kv head
  * kvh, every query head of its group. Scratch: q [n*G*D], acc [n*G*D], m/l [n*G], kb/vb [MAX_BS*D]. */
 static void attend_task(const void *q, int64_t q_stride, const void *kc, const void *vc, void *out,
@@ -65,14 +90,7 @@ static void attend_task(const void *q, int64_t q_stride, const void *kc, const v
     const int g = num_heads / num_kv_heads;
     const int64_t n = r1 - r0, nq = n * g;
     float *qf = scratch, *acc = qf + nq * d, *m = acc + nq * d, *l = m + nq, *kb = l + nq, *vb = kb + (int64_t)MAX_BS * d;
-    for (int64_t r = 0; r < n; r++)
-        for (int j = 0; j < g; j++) {
-            float *dst = qf + (r * g + j) * d;
-            load_row(q, (row0 + r0 + r) * q_stride + (int64_t)(kvh * g + j) * d, dtype, d, dst);
-            for (int i = 0; i < d; i++) dst[i] *= scale;
-        }
-    memset(acc, 0, sizeof(float) * nq * d);
-    for (int64_t i = 0; i < nq; i++) { m[i] = -INFINITY; l[i] = 0.0f; }
+    task_begin(q, q_stride, row0 + r0, n, g, kvh, d, dtype, scale, qf, acc, m, l);
     const int64_t last_pos = ctx - qlen + r1 - 1;  /* the chunk's last row sees keys 0..last_pos */
     const int64_t nblocks = last_pos / bs + 1;
     const int64_t stride_tok = (int64_t)num_kv_heads * d;
@@ -120,12 +138,7 @@ static void attend_task(const void *q, int64_t q_stride, const void *kc, const v
             }
         }
     }
-    for (int64_t r = 0; r < n; r++)
-        for (int j = 0; j < g; j++) {
-            const int64_t qi = r * g + j;
-            store_row(out, ((row0 + r0 + r) * num_heads + kvh * g + j) * (int64_t)d, dtype, d, acc + qi * d,
-                      1.0f / l[qi]);
-        }
+    task_end(out, row0 + r0, n, g, kvh, num_heads, d, dtype, acc, l);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -181,14 +194,7 @@ static void attend_task_avx2(const void *q, int64_t q_stride, const void *kc, co
     const int g = num_heads / num_kv_heads;
     const int64_t n = r1 - r0, nq = n * g;
     float *qf = scratch, *acc = qf + nq * d, *m = acc + nq * d, *l = m + nq, *kb = l + nq, *vb = kb + (int64_t)MAX_BS * d;
-    for (int64_t r = 0; r < n; r++)
-        for (int j = 0; j < g; j++) {
-            float *dst = qf + (r * g + j) * d;
-            load_row(q, (row0 + r0 + r) * q_stride + (int64_t)(kvh * g + j) * d, dtype, d, dst);
-            for (int i = 0; i < d; i++) dst[i] *= scale;
-        }
-    memset(acc, 0, sizeof(float) * nq * d);
-    for (int64_t i = 0; i < nq; i++) { m[i] = -INFINITY; l[i] = 0.0f; }
+    task_begin(q, q_stride, row0 + r0, n, g, kvh, d, dtype, scale, qf, acc, m, l);
     const int64_t last_pos = ctx - qlen + r1 - 1;
     const int64_t nblocks = last_pos / bs + 1;
     const int64_t stride_tok = (int64_t)num_kv_heads * d;
@@ -242,12 +248,7 @@ static void attend_task_avx2(const void *q, int64_t q_stride, const void *kc, co
             }
         }
     }
-    for (int64_t r = 0; r < n; r++)
-        for (int j = 0; j < g; j++) {
-            const int64_t qi = r * g + j;
-            store_row(out, ((row0 + r0 + r) * num_heads + kvh * g + j) * (int64_t)d, dtype, d, acc + qi * d,
-                      1.0f / l[qi]);
-        }
+    task_end(out, row0 + r0, n, g, kvh, num_heads, d, dtype, acc, l);
 }
 #endif
 
