@@ -137,6 +137,7 @@ def measured_turn(opts, info, requests, server: Server, rate: float) -> dict[str
     result, _ = run_sync(run_prepared(opts, info, requests, rate=rate))
     after = tree_cpu_seconds(server.root_pid) if server.root_pid else {}
     cpu = cpu_delta(before, after) if after else None
+    result["server_pid"] = server.root_pid
     result["server_cpu_s"] = cpu
     result["server_processes"] = len(after)
     result["output_tokens_per_cpu_s"] = result["total_output_tokens"] / cpu if cpu else None

@@ -10,8 +10,8 @@ from pdserve.loadtest.procs import free_port, mock_cmd, running
 
 def _start(*args: str):
     port = free_port()
-    with running(mock_cmd(port, *args), f"http://127.0.0.1:{port}/health", timeout_s=120):
-        yield Mock(f"http://127.0.0.1:{port}")
+    with running(mock_cmd(port, *args), f"http://127.0.0.1:{port}/health", timeout_s=120) as proc:
+        yield Mock(f"http://127.0.0.1:{port}", proc.pid)
 
 
 @pytest.fixture(scope="module")

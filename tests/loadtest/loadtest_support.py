@@ -13,8 +13,9 @@ STANDIN = Path(__file__).with_name("standin_server.py")  # a two-process stand-i
 class Mock:
     """A running ``pdserve bench mock-server`` and its request counters."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, pid: int | None = None) -> None:
         self.url = url
+        self.pid = pid
 
     def stats(self) -> dict:
         with urllib.request.urlopen(self.url + "/mock/stats", timeout=10) as r:  # not behind the API key
