@@ -225,7 +225,8 @@ class LLMEngine:
         output_token_ids = list(output_token_ids or ())
 
         def build(prompt_token_ids: list[int], cache_salt: str | None) -> Request:
-            max_tokens = self.input.validate(prompt_token_ids, params, cache_salt, output_token_ids)
+            max_tokens = self.input.validate_prompt(prompt_token_ids, params)
+            self.input.validate_output(output_token_ids, params, max_tokens)
             return self.input.new_request(request_id, prompt_token_ids, params, max_tokens, arrival_time=arrival_time,
                                           priority=priority, cache_salt=cache_salt, output_token_ids=output_token_ids)
 
