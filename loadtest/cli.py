@@ -81,6 +81,7 @@ def _register() -> None:
     from pdserve.loadtest.step_bench import step_command
     from pdserve.loadtest.ensemble_cpu import ensemble_cpu_command
     from pdserve.loadtest.prefill_budget import prefill_budget_command
+    from pdserve.loadtest.router_start import router_start_command
     from pdserve.loadtest.serve_compare import serve_compare_command
     from pdserve.loadtest.throughput_bench import throughput_command
     from pdserve.loadtest.tp_bench import tp_command
@@ -89,7 +90,7 @@ def _register() -> None:
 
     for cmd in (sweep_command, mock_server_command, client_overhead_command, pd_vs_colocated_command,
                 kv_routing_command, kv_transfer_command, ttft_breakdown_command, ensemble_cpu_command,
-                serve_compare_command, prefill_budget_command):
+                serve_compare_command, prefill_budget_command, router_start_command):
         bench.add_command(cmd)
     bench.add_command(chaos_command, "chaos")
     bench.add_command(overload_command, "overload")

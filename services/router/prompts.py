@@ -1,4 +1,5 @@
-"""Prompts to token ids: the model's chat template and tokenizer (HF ``transformers``), plus token strings.
+"""Prompts to token ids: the model's chat template and tokenizer (HF ``transformers``, loaded as
+``AutoTokenizer`` would load it but without torch where possible: tokenizer_loader.py), plus token strings.
 
 The chat path renders the template to text (``add_generation_prompt=True`` by default) and tokenizes it without
 adding special tokens again, as vLLM does; the result equals ``tokenizer.apply_chat_template(...,
@@ -15,6 +16,7 @@ from typing import Any
 
 from .errors import bad_request
 from .schemas import ChatMessage
+from .tokenizer_loader import load_tokenizer
 
 
 def _message_text(message: ChatMessage, index: int) -> str | None:
@@ -46,10 +48,8 @@ class PromptProcessor:
     """
 
     def __init__(self, model_dir: Path, max_model_len: int | None = None) -> None:
-        from transformers import AutoTokenizer
-
         self.model_dir = Path(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)  # AutoTokenizer's tokenizer, without torch where it can
         config = json.loads((self.model_dir / "config.json").read_text())
         model_max = config.get("max_position_embeddings") or config.get("max_seq_len") or 2048
         self.max_model_len = int(max_model_len or model_max)
