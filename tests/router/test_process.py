@@ -114,10 +114,3 @@ def test_access_log_never_shows_a_key_sent_in_the_query_string(router_process, t
     text = log.read_text()
     assert "GET /v1/models?api_key=<redacted>&x=<redacted> HTTP/1.1" in text
     assert "sk-in-the-query" not in text
-
-
-def torch_files_mapped(pid: int) -> list[str]:
-    """Files of the torch package mapped into process ``pid``: importing torch maps torch/_C and libtorch_cpu, so
-    this is empty exactly when the process never imported it (read from outside: no hook in the process)."""
-    with open(f"/proc/{pid}/maps") as maps:
-        return sorted({line.split()[-1] for line in maps if "/torch/" in line.split()[-1]})
