@@ -45,6 +45,11 @@ class EngineConfig:
         this engine is node 0 and holds the rendezvous (a ``TCPStore``, on every interface) on ``master_port`` (0: a
         free port, one node only); nodes 1.. run ``pdserve tp-worker --node-rank K --master-addr <node 0's address>``
         and must join within ``tp_join_timeout_s`` seconds.
+    enforce_eager: vLLM's name: no CUDA graphs, every step runs eagerly. Off (the default), pure-decode steps on CUDA
+        with the ``triton`` backend and ``tensor_parallel_size`` 1 replay a graph captured at start-up per padded
+        batch size (``shared/engine/cuda_graphs.py``); CPU ignores it.
+    max_cudagraph_capture_size: the largest decode batch with a graph (vLLM's name; default the smaller of 512 and
+        ``max_num_seqs``); larger batches run eagerly.
     speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; parsed into a ``SpeculativeConfig`` (None: off).
     """
@@ -70,6 +75,8 @@ class EngineConfig:
     nnodes: int = 1
     master_port: int = 0
     tp_join_timeout_s: float = 60.0
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
@@ -99,6 +106,8 @@ class EngineConfig:
                              f"connect to), got {self.master_port}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -21,6 +21,7 @@ import torch
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.handover import DecodeImport, Export, PrefillExport
 from pdserve.shared.engine.input_processor import InputProcessor, RequestRejected, eos_token_ids
+from pdserve.shared.engine.cuda_graphs import build_decode_graphs
 from pdserve.shared.engine.executor import build_executor
 from pdserve.shared.engine.kv_cache import KVCacheSpec
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
@@ -64,6 +65,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.preemption_mode, swap)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, config.device)
+        self.runner.graphs = build_decode_graphs(config, self.backend, self.model, self.runner.kv_caches,
+                                                 self.max_model_len)
         self.sampler = Sampler(seed=config.seed)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer, self.model_dir)
@@ -73,10 +76,11 @@ class LLMEngine:
         self.prefill_export = PrefillExport(self.scheduler, self.kv_manager, self.kv_cache)
         self.decode_import = DecodeImport(self.scheduler, self.kv_manager, self.kv_cache)
         self.stats = EngineCounters()
-        logger.info("engine ready: %s %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, backend %s",
-                    mc.model_type, str(self.dtype).removeprefix("torch."), plan.num_blocks - 1, config.block_size,
-                    plan.num_blocks * self.kv_spec.bytes_per_block / 2**20, self.max_model_len,
-                    type(self.backend).__name__)
+        logger.info("engine ready: %s %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, backend %s, "
+                    "CUDA graphs %s", mc.model_type, str(self.dtype).removeprefix("torch."), plan.num_blocks - 1,
+                    config.block_size, plan.num_blocks * self.kv_spec.bytes_per_block / 2**20, self.max_model_len,
+                    type(self.backend).__name__,
+                    f"1..{self.runner.graphs.max_size}" if self.runner.graphs is not None else "off")
 
     # requests
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:

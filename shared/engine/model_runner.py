@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.attention_metadata import AttentionMetadata
+from pdserve.shared.engine.cuda_graphs import DecodeGraphRunner
 from pdserve.shared.engine.kv_cache import KVCache
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
 from pdserve.shared.engine.request import Request
@@ -40,6 +41,8 @@ class ModelRunner:
         self.device = device
         self.kv_caches = [kv_cache.layer(i) for i in range(kv_cache.spec.num_layers)]
         self.tp_workers = getattr(kv_cache, "tp_workers", None)  # tensor parallelism: ranks 1..N-1 run each step too
+        # pure-decode steps that fit go through it (CUDA graphs, shared/engine/cuda_graphs.py); None: all eager
+        self.graphs: DecodeGraphRunner | None = None
 
     def prepare_inputs(self, out: SchedulerOutput):
         bs = self.block_size
@@ -87,7 +90,10 @@ class ModelRunner:
         ids, pos, md, sample_rows, prompt_rows = self.prepare_inputs(out)
         if self.tp_workers is not None:
             self.tp_workers.step(ids, pos, md)
-        hidden = self.model(ids, pos, self.kv_caches, md)
+        if self.graphs is not None and self.graphs.fits(md):
+            hidden = self.graphs.run(ids, pos, md)
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, md)
         prompt_logits = [PromptLogits(request, target, self.model.compute_logits(hidden[row:row + count]))
                          for request, row, target, count in prompt_rows]
         if not sample_rows:

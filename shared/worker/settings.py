@@ -65,6 +65,10 @@ class WorkerSettings(ServiceSettings):
         "When KV blocks run out: recompute a preempted request later, or swap its KV to a CPU pool."))
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = Field("auto", description="Attention kernels.")
     device: str = Field("cpu", description="cpu|cuda.")
+    # CUDA graphs for decode batches (shared/engine/cuda_graphs.py); vLLM's names
+    enforce_eager: bool = Field(False, description="No CUDA graphs: every step runs eagerly (CUDA only).")
+    max_cudagraph_capture_size: int | None = Field(None, ge=1, description=(
+        "Largest decode batch captured in a CUDA graph (default: the smaller of 512 and --max-num-seqs)."))
     # vLLM's speculative_config as JSON text, e.g. '{"method": "ngram", "num_speculative_tokens": 4}' (decode pods)
     speculative_config: str | None = Field(None, description=(
         'Speculative decoding (decode pods), vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -94,5 +98,6 @@ class WorkerSettings(ServiceSettings):
             enable_kv_events=self.enable_kv_events and self.enable_prefix_caching,
             speculative_config=self.speculative_config, tensor_parallel_size=self.tensor_parallel_size,
             nnodes=self.nnodes, master_port=self.master_port if self.nnodes > 1 else 0,
-            tp_join_timeout_s=self.tp_join_timeout_s,
+            tp_join_timeout_s=self.tp_join_timeout_s, enforce_eager=self.enforce_eager,
+            max_cudagraph_capture_size=self.max_cudagraph_capture_size,
         )
