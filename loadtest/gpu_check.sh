@@ -13,7 +13,7 @@
 #     bash loadtest/gpu_check.sh
 # Knobs (environment): GPU_CHECK_REQUESTS (offline requests, default 256), GPU_CHECK_PROMPTS (bench serve prompts,
 # default 256), GPU_CHECK_DTYPE (default bfloat16), GPU_CHECK_KV_GIB (KV cache per engine, default 8),
-# GPU_CHECK_PORT (router port, default 18000). GPU_CHECK_DEVICE=cpu rehearses the script's own plumbing on a machine
+# GPU_CHECK_PORT (router port, default 18000), GPU_CHECK_STEPS (default "kernels offline serve": a rerun of some). GPU_CHECK_DEVICE=cpu rehearses the script's own plumbing on a machine
 # without a GPU (kernels in Triton's interpreter at small sizes, the engines on CPU): its figures mean nothing.
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,6 +29,7 @@ DTYPE=${GPU_CHECK_DTYPE:-bfloat16}
 PORT=${GPU_CHECK_PORT:-18000}
 KV_GIB=${GPU_CHECK_KV_GIB:-8}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
+STEPS=" ${GPU_CHECK_STEPS:-kernels offline serve} "
 START=$(date +%s)
 declare -a SUMMARY=()
 UP_PID=""
@@ -43,6 +44,7 @@ cleanup_up() {
         echo "gpu_check: pdserve up (pid $UP_PID) stopped"
     fi
     UP_PID=""
+    [ -n "$OUT" ] && rm -f "$OUT/up.pid"
 }
 cleanup() {
     cleanup_up
@@ -54,6 +56,7 @@ trap cleanup EXIT
 step() {
     local name=$1 limit=$2
     shift 2
+    [[ "$STEPS" == *" $name "* ]] || return 0
     echo
     echo "=== $name (limit ${limit} s) ==="
     local t0=$SECONDS rc
@@ -109,45 +112,10 @@ step offline 180 "$PY" -m pdserve.services.cli bench throughput --device "$DEVIC
     --max-model-len 1024 --rounds 2 \
     --json-out "$OUT/offline.json"
 
-# 3. bench serve against pdserve up --colocated on the GPU (the workers read PDSERVE_DEVICE; TP 1, so graphs on). Run by `timeout` in a
-# child bash; the ensemble's pid goes to $OUT/up.pid so that this script stops it whatever happens to the child.
-serve_check() {
-    PDSERVE_DEVICE=$DEVICE "$PY" -m pdserve.services.cli up --colocated --dtype "$DTYPE" --port "$PORT" \
-        --max-num-seqs 256 --kv-cache-memory "${KV_GIB}GiB" --log-dir "$OUT/up-logs" --no-restart-workers \
-        --startup-timeout-s 120 >"$OUT/up.log" 2>&1 &
-    local up=$!
-    echo "$up" >"$OUT/up.pid"
-    if ! "$PY" - "$PORT" "$up" <<'PYEOF'
-import os, sys, time, urllib.request
-port, pid = sys.argv[1], int(sys.argv[2])
-deadline = time.time() + 125
-while time.time() < deadline:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        sys.exit("pdserve up exited before it was ready")
-    try:
-        if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-            sys.exit(print(f"pdserve up --colocated ready on port {port}"))
-    except Exception:
-        pass
-    time.sleep(1)
-sys.exit("pdserve up: not ready in 125 s")
-PYEOF
-    then
-        echo "end of pdserve up's log ($OUT/up.log):"
-        tail -30 "$OUT/up.log"
-        return 1
-    fi
-    "$PY" -m pdserve.services.cli bench serve --base-url "http://127.0.0.1:$PORT" --model smollm2-135m-instruct \
-        --dataset random --random-input-len 512 --random-output-len 128 --num-prompts "$PROMPTS" \
-        --request-rate inf --max-concurrency 64 --ignore-eos --num-warmups 8 --metric-percentiles 50,90,99 \
-        --save-result "$OUT/serve.json"
-}
-export -f serve_check
+# 3. bench serve against pdserve up --colocated on the GPU (one decode worker, TP 1: CUDA graphs on):
+# loadtest/gpu_check_serve.sh, whose ensemble this script stops afterwards (its pid in $OUT/up.pid)
 export PY DTYPE PORT PROMPTS OUT DEVICE KV_GIB
-step serve 225 bash -c serve_check
-[ -f "$OUT/up.pid" ] && UP_PID=$(cat "$OUT/up.pid")
+step serve 225 bash "$REPO/loadtest/gpu_check_serve.sh"
 cleanup_up
 
 echo

@@ -13,7 +13,10 @@ eagerly as before; so does every step on CPU.
 
 Only ``capture`` and the ``replay`` in ``run`` need CUDA. With ``use_cuda_graph=False`` the same buffers, padding
 and slicing run the model eagerly instead of replaying: that is how the CPU tests check all of it against the
-unpadded engine (tests/engine/test_cuda_graphs.py).
+unpadded engine (tests/engine/test_cuda_graphs.py). ``emulate_replay=True`` goes one step further: each size's
+metadata is built once, with the capture's host-side lengths, and reused by every later step, as a graph replays
+whatever the host decided (and cached in ``md.cache``) at capture; a backend that is right under it reads only
+device tensors for what changes between steps.
 
 What may run inside a graph: no host syncs (``.item()``, ``.tolist()``, ``bool(tensor)``), no shape that depends on
 tensor values, and every host-side choice baked at capture must hold for every replay. The Triton backend meets
@@ -62,11 +65,13 @@ class DecodeGraphRunner:
     sizes: ascending batch sizes (``cudagraph_capture_sizes``); max_model_len: tokens per sequence, which sizes
     the static block table (``ceil(max_model_len / block_size)`` columns) and the capture's host-side lengths.
     use_cuda_graph: capture and replay (CUDA); False runs the padded batch eagerly (any device).
+    emulate_replay: eager only: one metadata object per size, built with the capture's host-side lengths and reused
+    by every step (see the module docstring).
     ``steps`` counts the steps run per size.
     """
 
     def __init__(self, model, kv_caches, sizes: list[int], max_model_len: int, block_size: int, device,
-                 use_cuda_graph: bool) -> None:
+                 use_cuda_graph: bool, emulate_replay: bool = False) -> None:
         if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] < 1:
             raise ValueError(f"capture sizes must be ascending, distinct and >= 1, got {sizes}")
         self.model = model
@@ -77,6 +82,8 @@ class DecodeGraphRunner:
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.use_cuda_graph = use_cuda_graph
+        self.emulate_replay = emulate_replay
+        self._replay_md: dict[int, AttentionMetadata] = {}
         m, dev = self.max_size, torch.device(device)
         self.input_ids = torch.zeros(m, dtype=torch.long, device=dev)
         self.positions = torch.zeros(m, dtype=torch.long, device=dev)
@@ -109,7 +116,12 @@ class DecodeGraphRunner:
         if self.use_cuda_graph:
             self.graphs[size].replay()
             return self.outputs[size][:n]
-        padded = self._static_md(size, list(md.seq_lens_cpu) + [1] * (size - n))
+        if self.emulate_replay:
+            padded = self._replay_md.get(size)
+            if padded is None:
+                padded = self._replay_md[size] = self._static_md(size, [self.max_model_len] * size)
+        else:
+            padded = self._static_md(size, list(md.seq_lens_cpu) + [1] * (size - n))
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, padded)[:n]
 
     def _load(self, input_ids, positions, md: AttentionMetadata, size: int) -> None:

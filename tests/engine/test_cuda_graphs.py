@@ -86,9 +86,12 @@ def _sequences(n: int) -> list[dict]:
     return seqs
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=pytest.mark.slow)])
+# emulate_replay: each size's metadata built once with the capture's host-side lengths and reused by every step, as a
+# replayed graph does; the reference backend reads the host lengths (it is not capturable), so it runs per step
+@pytest.mark.parametrize("backend,emulate_replay", [("cpu", True), ("cpu", False), ("torch", False),
+                                                    pytest.param("triton", True, marks=pytest.mark.slow)])
 @torch.inference_mode()
-def test_padded_decode_gives_the_unpadded_tokens_and_writes_only_real_slots(backend):
+def test_padded_decode_gives_the_unpadded_tokens_and_writes_only_real_slots(backend, emulate_replay):
     # Triton's interpreter takes ~1.4 s a forward pass of 2 layers: 1 layer, 4 sequences there (about 4 s)
     num = 4 if backend == "triton" else 7
     model = _tiny_model(backend, 1 if backend == "triton" else 2)
@@ -97,7 +100,8 @@ def test_padded_decode_gives_the_unpadded_tokens_and_writes_only_real_slots(back
     padded_kv.kv.copy_(eager_kv.kv)
     before = padded_kv.kv.clone()
     layers = lambda kv: [kv.layer(i) for i in range(kv.spec.num_layers)]  # noqa: E731
-    runner = DecodeGraphRunner(model, layers(padded_kv), [1, 2, 4, 8], MAX_LEN, BS, "cpu", use_cuda_graph=False)
+    runner = DecodeGraphRunner(model, layers(padded_kv), [1, 2, 4, 8], MAX_LEN, BS, "cpu", use_cuda_graph=False,
+                               emulate_replay=emulate_replay)
     eager_seqs, padded_seqs = _sequences(num), _sequences(num)
     written = []
     for step in range(num):  # one sequence leaves after each step: batches 7..1 -> sizes 8, 8, 8, 4, 4, 2, 1
@@ -126,6 +130,22 @@ def test_padded_decode_gives_the_unpadded_tokens_and_writes_only_real_slots(back
     flat = lambda t: t.reshape(*t.shape[:2], -1, *t.shape[4:])  # noqa: E731  [layers, 2, slots, heads, dim]
     assert torch.equal(flat(padded_kv.kv)[:, :, untouched], flat(before)[:, :, untouched])
     assert not torch.equal(flat(padded_kv.kv)[:, :, ~untouched], flat(before)[:, :, ~untouched])
+
+
+@torch.inference_mode()
+def test_replay_emulation_catches_a_backend_that_reads_host_lengths():
+    """The reference backend builds its gathers from ``seq_lens_cpu``: under a replay (capture-time lengths, plans
+    cached at the first step) it attends over the wrong positions. The emulation must see that, or it proves nothing
+    for the backends that pass it."""
+    model = _tiny_model("torch")
+    kv = _kv(model)
+    layers = [kv.layer(i) for i in range(2)]
+    seqs = _sequences(3)
+    ids, pos, md = _step(seqs)
+    want = model.compute_logits(model(ids, pos, [(k.clone(), v.clone()) for k, v in layers], md))
+    runner = DecodeGraphRunner(model, layers, [1, 2, 4], MAX_LEN, BS, "cpu", False, emulate_replay=True)
+    got = model.compute_logits(runner.run(ids, pos, _step(seqs)[2]))
+    assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3)
 
 
 @torch.inference_mode()
@@ -180,7 +200,7 @@ def test_triton_decode_is_right_with_the_captures_host_lengths():
 @pytest.mark.slow
 def test_engine_with_the_padded_runner_generates_the_eager_engines_tokens(llm_fp32, prompt_of):
     """The default model (fp32), 6 requests that finish one after another: decode batches 6 and 5 exceed the
-    largest size (4) and run eagerly, 4..1 run padded through ``ModelRunner.execute_model``."""
+    largest size (4) and run eagerly, 4..1 run padded through ``ModelRunner.execute_model``, replay emulated."""
     from pdserve import SamplingParams
 
     engine = llm_fp32.llm_engine
@@ -188,7 +208,8 @@ def test_engine_with_the_padded_runner_generates_the_eager_engines_tokens(llm_fp
     params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True) for i in range(6)]
     want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params, use_tqdm=False)]
     runner = DecodeGraphRunner(engine.model, engine.runner.kv_caches, [1, 2, 4], engine.max_model_len,
-                               engine.config.block_size, "cpu", use_cuda_graph=False)
+                               engine.config.block_size, "cpu", use_cuda_graph=False, emulate_replay=True)
+    assert engine.backend.name == "cpu"  # reads lengths from tensors, as the Triton backend does
     engine.runner.graphs = runner
     try:
         got = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params, use_tqdm=False)]
