@@ -7,11 +7,11 @@ One workload (``--num-requests`` random-id prompts of 16-256 tokens, ``--output-
 - ``colocated``: ``pdserve up --colocated`` (router, registry, Redis, one decode worker that prefills itself);
 - ``disaggregated``: ``pdserve up --prefill 1 --decode 1``.
 
-Each ensemble is started, warmed up with a few requests, measured, and stopped; the modes run in turns
-(offline, disaggregated, colocated, offline, ...) for ``--rounds``. Each ensemble's turn is divided by the offline
-turn of the same round, and the summary gives the median of these per-round ratios beside the pooled ratio (all
-CPU-s / all tokens): on a shared machine the offline engine's own CPU per token moves between turns, and a
-median over rounds of same-round ratios is what one noisy turn cannot swing. CPU time (user + system) is read with psutil
+Each ensemble is started, warmed up with a few requests, measured, and stopped. Every ensemble turn has an offline
+turn right before and right after it (offline, disaggregated, offline, colocated, offline, ... for ``--rounds``;
+``schedule``), and is divided by the mean of those two: on a shared machine the offline engine's own CPU per token
+moves by a third or more between turns minutes apart, and a baseline that brackets the turn follows that drift. The
+summary gives the median of these bracketed ratios beside the pooled ratio (all CPU-s / all tokens). CPU time (user + system) is read with psutil
 for every process of the ensemble (the ``up`` supervisor and all its children) before and after the load, so each
 hop's share shows: router (HTTP in, SSE out, the output relay), Redis (queue, output streams), registry, and each
 worker (engine, hand-over). The client's own CPU is left out. ``--pin`` pins the tiers to their own cores, as
@@ -143,24 +143,47 @@ def _line(mode: str, r: dict) -> str:
             + (f"\n      CPU-s by process: {parts}" if parts else ""))
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per mode: pooled CPU-ms per token (all rounds' CPU-s over all their tokens), its ratio to the offline engine's
-    pooled figure, each round's ratio to the same round's offline turn, and the median of those. Ratios are NaN
-    without an offline run."""
+def schedule(modes: list[str], rounds: int) -> list[str]:
+    """The order of the turns: with ``offline`` among ``modes``, every other mode's turn sits between two offline
+    turns (O D O C O D O C O for two rounds of two ensembles); without it, the modes in turns."""
+    ensembles = [m for m in modes if m != "offline"]
+    if "offline" not in modes:
+        return ensembles * rounds
+    if not ensembles:
+        return ["offline"] * rounds
+    return ["offline"] + [t for _ in range(rounds) for m in ensembles for t in (m, "offline")]
+
+
+def summarize(turns: list[tuple[str, dict]]) -> dict[str, dict]:
+    """Per mode, from the turns in the order they ran: pooled CPU-ms per token (all its turns' CPU-s over all their
+    tokens), its ratio to the offline engine's pooled figure, each turn's ratio to the mean of the offline turns
+    just before and after it (``bracketed_x_offline``; one neighbour where only one ran), and the median of those.
+    Ratios are NaN without an offline run."""
     def ms(r: dict) -> float:
         return 1e3 * r["cpu_seconds"] / r["output_tokens"]
 
-    base = runs.get("offline") or []
-    pooled_base = 1e3 * sum(r["cpu_seconds"] for r in base) / sum(r["output_tokens"] for r in base) if base else None
+    def pooled(rs: list[dict]) -> float:
+        return 1e3 * sum(r["cpu_seconds"] for r in rs) / sum(r["output_tokens"] for r in rs)
+
+    def neighbours(i: int) -> list[float]:
+        before = next((ms(r) for m, r in reversed(turns[:i]) if m == "offline"), None)
+        after = next((ms(r) for m, r in turns[i + 1:] if m == "offline"), None)
+        return [x for x in (before, after) if x is not None]
+
+    by_mode: dict[str, list[int]] = {}
+    for i, (m, _) in enumerate(turns):
+        by_mode.setdefault(m, []).append(i)
+    base = [turns[i][1] for i in by_mode.get("offline", [])]
+    pooled_base = pooled(base) if base else None
     out = {}
-    for m, rs in runs.items():
-        if not rs:
-            continue
-        pooled = 1e3 * sum(r["cpu_seconds"] for r in rs) / sum(r["output_tokens"] for r in rs)
-        per_round = [ms(r) / ms(b) for r, b in zip(rs, base)]
-        out[m] = {"cpu_ms_per_token": pooled, "x_offline": pooled / pooled_base if pooled_base else float("nan"),
-                  "round_x_offline": per_round,
-                  "median_x_offline": statistics.median(per_round) if per_round else float("nan")}
+    for m, idx in by_mode.items():
+        rs = [turns[i][1] for i in idx]
+        ratios = [ms(turns[i][1]) / statistics.mean(nb) for i in idx if (nb := neighbours(i))] \
+            if m != "offline" else [1.0] * len(idx)
+        out[m] = {"cpu_ms_per_token": pooled(rs),
+                  "x_offline": pooled(rs) / pooled_base if pooled_base else float("nan"),
+                  "bracketed_x_offline": ratios,
+                  "median_x_offline": statistics.median(ratios) if ratios else float("nan")}
     return out
 
 
@@ -171,7 +194,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]))
 @click.option("--kv-cache-memory", "kv", default="1GiB", show_default=True)
-@click.option("--rounds", default=3, show_default=True, help="Turns per mode (A B C A B C ...).")
+@click.option("--rounds", default=3, show_default=True,
+              help="Turns per ensemble mode, each between two offline turns (O D O C O ...).")
 @click.option("--offline-threads", type=click.IntRange(min=1), default=None,
               help="The offline engine's torch threads [default: every core this process may use].")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(["offline", *MODES]),
@@ -197,7 +221,7 @@ def ensemble_cpu_command(model, num_requests, output_len, seed, dtype, kv, round
     click.echo(f"ensemble-cpu: {num_requests} requests at once (prompts 16-256, {output_len} out), {dtype}, greedy, "
                f"ignore_eos, KV {kv}; modes {', '.join(modes)} in turns x {rounds}{', pinned' if pin else ''}; "
                f"offline engine {threads} thread(s); load average {os.getloadavg()[0]:.1f}")
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    turns: list[tuple[str, dict]] = []
     offline = None
     try:
         if "offline" in modes:
@@ -205,23 +229,23 @@ def ensemble_cpu_command(model, num_requests, output_len, seed, dtype, kv, round
                     "threads": threads, "hf_batch_size": 32, "prompts": prompts, "outputs": outputs}
             offline = Contender("pdserve", sys.executable, spec, {**os.environ, "OMP_NUM_THREADS": str(threads)},
                                 tempfile.mkdtemp(prefix="pdserve-ensemble-cpu-"))
-        for _ in range(rounds):
-            for mode in modes:
-                r = offline.run() if mode == "offline" else run_ensemble(
-                    mode, model, dtype, kv, pin, up_args, prompts, outputs, up_timeout)
-                r["loadavg"] = os.getloadavg()[0]
-                runs[mode].append(r)
-                click.echo(_line(mode, r))
+        for mode in schedule(modes, rounds):
+            r = offline.run() if mode == "offline" else run_ensemble(
+                mode, model, dtype, kv, pin, up_args, prompts, outputs, up_timeout)
+            r["loadavg"] = os.getloadavg()[0]
+            turns.append((mode, r))
+            click.echo(_line(mode, r))
     except LoadTestError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         if offline is not None:
             offline.close()
-    summary = summarize(runs)
-    click.echo(f"\n{'mode':<15}{'CPU-ms/tok':>11}{'x offline':>11}{'median x':>10}   per round (x that round's offline)")
+    summary = summarize(turns)
+    click.echo(f"\n{'mode':<15}{'CPU-ms/tok':>11}{'x offline':>11}{'median x':>10}   each turn (x the offline turns "
+               f"around it)")
     for m, row in summary.items():
         click.echo(f"{m:<15}{row['cpu_ms_per_token']:>11.1f}{row['x_offline']:>11.2f}{row['median_x_offline']:>10.2f}"
-                   f"   {' '.join(f'{x:.2f}' for x in row['round_x_offline'])}")
+                   f"   {' '.join(f'{x:.2f}' for x in row['bracketed_x_offline'])}")
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"runs": runs, "summary": summary}, f, indent=2)
+            json.dump({"turns": [{"mode": m, **r} for m, r in turns], "summary": summary}, f, indent=2)
