@@ -21,6 +21,6 @@ subpackages = [p for p in find_packages(".") if p.split(".")[0] in TOP]
 setup(
     packages=["pdserve"] + [f"pdserve.{p}" for p in subpackages],
     package_dir={"pdserve": "."},
-    package_data={"pdserve.loadtest": ["*.json"], "pdserve.kernels": ["*.c"]},
+    package_data={"pdserve.loadtest": ["*.json"], "pdserve.kernels": ["*.c", "*.h"]},
     cmdclass={"build_py": BuildPy},
 )

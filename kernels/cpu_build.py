@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -29,9 +30,17 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _source_text(source: Path) -> bytes:
+    """``source`` and every ``#include "name"`` beside it (one level): a change to either rebuilds."""
+    text = source.read_bytes()
+    for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.M):
+        text += (source.parent / name.decode()).read_bytes()
+    return text
+
+
 def build(source: Path, flags: list[str]) -> Path:
     """Path of the library built from ``source`` with ``flags``; RuntimeError when it cannot be built."""
-    text = source.read_bytes()
+    text = _source_text(source)
     key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
     target = root / f"{source.stem}-{key}.so"

@@ -6,7 +6,10 @@ projections and LM head cost 2-3x one row, although both are bound by reading th
 multiplies every weight row with all the input rows while it is in registers, so 5 or 9 rows cost little
 more than 1 (``loadtest/README.md#speculative-decoding``). Each output element is summed in an order that
 does not depend on the number of rows, so a token's logits are bit-identical in a 1-row decode step and in
-a (k + 1)-row verify step. Built at first use by ``cpu_build``; ``None`` from ``load()`` (no compiler, or
+a (k + 1)-row verify step. The weights may be fp32 or the model's bf16 (``skinny_linear_bf16w``): these steps are
+bound by reading the weights, and bf16 reads half the bytes (SmolLM2-135M, 1 thread: all projections and the LM head
+at 1 row 36 -> 27 CPU-ms, at 16 rows 104 -> 89; ``kernels/README.md``) with bit-identical results, since a bf16
+value widened to fp32 is exact. Built at first use by ``cpu_build``; ``None`` from ``load()`` (no compiler, or
 ``PDSERVE_SKINNY_LINEAR=0``) keeps PyTorch's path.
 """
 
@@ -39,8 +42,9 @@ def load() -> ctypes.CDLL | None:
             return None
         lib = cpu_build.load_library(SOURCE, FLAGS)
         if lib is not None:
-            lib.skinny_linear.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64]
-            lib.skinny_linear.restype = None
+            for fn in (lib.skinny_linear, lib.skinny_linear_bf16w):
+                fn.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64]
+                fn.restype = None
             _lib = lib
     return _lib
 
@@ -51,14 +55,22 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and load() is not None)
 
 
+def bf16_weights_enabled() -> bool:
+    """Whether ``Fp32WeightLinear`` keeps a bf16 model's own weights for this kernel (``PDSERVE_SKINNY_BF16=0``:
+    no, saving their memory, about half the fp32 copies' size)."""
+    return os.environ.get("PDSERVE_SKINNY_BF16", "1") != "0"
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [M, K] float32 (rows may be strided) @ ``weight`` [N, K]^T + ``bias`` [N] -> [M, N] float32."""
+    """``x`` [M, K] float32 (rows may be strided) @ ``weight`` [N, K]^T + ``bias`` [N] -> [M, N] float32.
+    ``weight`` is float32 or bfloat16 (contiguous); both give the same bits for the same values."""
     if x.dtype != torch.float32 or x.stride(1) != 1:
         x = x.float().contiguous()
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
     out = torch.empty((m, n), dtype=torch.float32)
-    load().skinny_linear(x.data_ptr(), m, x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                         out.data_ptr(), n, k)
+    assert weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+    fn = load().skinny_linear if weight.dtype == torch.float32 else load().skinny_linear_bf16w
+    fn(x.data_ptr(), m, x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), n, k)
     return out

@@ -11,6 +11,12 @@
  * the scalar tail k >= K - K % 8, then the bias. So a row's result is bit-identical in a 1-row decode step and
  * in a (k+1)-row verify step (speculative decoding's greedy output stays token-for-token the plain one).
  * Output columns are split over torch's OpenMP threads in tiles of 4 weight rows.
+ *
+ * The weights come as fp32 (skinny_linear) or as bf16 (skinny_linear_bf16w: the model's own weights; at a few rows
+ * a decode step is bound by reading the weights, and bf16 halves the bytes). A bf16 value widened to fp32 is exact,
+ * so both read the same numbers and sum them in the same order: the two give bit-identical results. The loops are
+ * written once, in linear_cpu_tiles.h, and included once per weight type (a flag argument instead was not
+ * specialised inside OpenMP's outlined loop, and the fp32 kernel lost up to 20% at 16 rows).
  */
 #include <stdint.h>
 
@@ -25,82 +31,34 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s1);
 }
 
-/* MT input rows x NT = 4 weight rows; MT is a compile-time constant at each call site */
-static inline void tile(const float *x, int64_t ldx, const float *w, int64_t K, float *y, int64_t ldy, int MT) {
-    __m256 acc[3][4];
-    for (int m = 0; m < MT; m++)
-        for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
-    const int64_t K8 = K - K % 8;
-    for (int64_t k = 0; k < K8; k += 8) {
-        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k);
-        const __m256 w2 = _mm256_loadu_ps(w + 2 * K + k), w3 = _mm256_loadu_ps(w + 3 * K + k);
-        for (int m = 0; m < MT; m++) {
-            const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
-            acc[m][0] = _mm256_fmadd_ps(w0, xv, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(w1, xv, acc[m][1]);
-            acc[m][2] = _mm256_fmadd_ps(w2, xv, acc[m][2]);
-            acc[m][3] = _mm256_fmadd_ps(w3, xv, acc[m][3]);
-        }
-    }
-    for (int m = 0; m < MT; m++)
-        for (int j = 0; j < 4; j++) {
-            float s = hsum8(acc[m][j]);
-            for (int64_t k = K8; k < K; k++) s += w[j * K + k] * x[m * ldx + k];
-            y[m * ldy + j] = s;
-        }
-}
+static inline __m256 load8_f32(const float *w) { return _mm256_loadu_ps(w); }
 
-static void rows4(const float *x, int64_t M, int64_t ldx, const float *w, int64_t K, float *y, int64_t ldy) {
-    int64_t m = 0;
-    for (; m + 3 <= M; m += 3) tile(x + m * ldx, ldx, w, K, y + m * ldy, ldy, 3);
-    if (M - m == 2) tile(x + m * ldx, ldx, w, K, y + m * ldy, ldy, 2);
-    else if (M - m == 1) tile(x + m * ldx, ldx, w, K, y + m * ldy, ldy, 1);
+static inline __m256 load8_bf16(const uint16_t *w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
 }
 #endif
 
-/* one weight row (the last N % 4): the same summation order as the tiles */
-static void row1(const float *x, int64_t M, int64_t ldx, const float *w, int64_t K, float *y, int64_t ldy) {
-    for (int64_t m = 0; m < M; m++) {
-#if defined(__AVX2__) && defined(__FMA__)
-        __m256 acc = _mm256_setzero_ps();
-        const int64_t K8 = K - K % 8;
-        for (int64_t k = 0; k < K8; k += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + m * ldx + k), acc);
-        float s = hsum8(acc);
-        for (int64_t k = K8; k < K; k++) s += w[k] * x[m * ldx + k];
-#else
-        float lanes[8] = {0};
-        const int64_t K8 = K - K % 8;
-        for (int64_t k = 0; k < K8; k += 8)
-            for (int l = 0; l < 8; l++) lanes[l] += w[k + l] * x[m * ldx + k + l];
-        float s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-        for (int64_t k = K8; k < K; k++) s += w[k] * x[m * ldx + k];
-#endif
-        y[m * ldy] = s;
-    }
+static inline float load1_f32(const float *w) { return *w; }
+
+static inline float load1_bf16(const uint16_t *w) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)*w << 16};
+    return v.f;
 }
 
-/* x: [M, K] row stride ldx; w: [N, K] contiguous; bias: [N] or NULL; y: [M, N] contiguous. */
-void skinny_linear(const float *x, int64_t M, int64_t ldx, const float *w, const float *bias, float *y, int64_t N,
-                   int64_t K) {
-    const int64_t tiles = N / 4;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles + N % 4; t++) {
-#if defined(__AVX2__) && defined(__FMA__)
-        if (t < tiles) {
-            rows4(x, M, ldx, w + 4 * t * K, K, y + 4 * t, N);
-            continue;
-        }
-#else
-        if (t < tiles) {
-            for (int j = 0; j < 4; j++) row1(x, M, ldx, w + (4 * t + j) * K, K, y + 4 * t + j, N);
-            continue;
-        }
-#endif
-        const int64_t n = 4 * tiles + (t - tiles);
-        row1(x, M, ldx, w + n * K, K, y + n, N);
-    }
+static void add_bias(const float *bias, float *y, int64_t M, int64_t N) {
     if (bias)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) y[m * N + n] += bias[n];
 }
+
+/* x: [M, K] row stride ldx; w: [N, K] contiguous fp32; bias: [N] or NULL; y: [M, N] contiguous. */
+#define WT float
+#define SFX f32
+#define ENTRY skinny_linear
+#include "linear_cpu_tiles.h"
+
+/* the same with w [N, K] contiguous bf16 (its raw bits) */
+#define WT uint16_t
+#define SFX bf16
+#define ENTRY skinny_linear_bf16w
+#include "linear_cpu_tiles.h"

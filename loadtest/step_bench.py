@@ -49,10 +49,11 @@ def _linears(model) -> list[torch.nn.Module]:
     return out
 
 
-def _gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The product pdserve computes for ``x @ w^T`` (``Fp32WeightLinear`` / ``nn.Linear``), without the casts."""
+def _gemm(x: torch.Tensor, w: torch.Tensor, few_rows_w: torch.Tensor) -> torch.Tensor:
+    """The product pdserve computes for ``x @ w^T`` (``Fp32WeightLinear`` / ``nn.Linear``), without the casts;
+    ``few_rows_w`` is what the skinny kernel reads (``Fp32WeightLinear.few_rows_weight``, else ``w``)."""
     if cpu_linear.usable(x, w):
-        return cpu_linear.skinny_linear(x, w)
+        return cpu_linear.skinny_linear(x, few_rows_w)
     return F.linear(x, w)
 
 
@@ -60,12 +61,12 @@ class Floor:
     """The matmul floor of a step of ``rows`` tokens of which ``sample_rows`` go through the LM head."""
 
     def __init__(self, model) -> None:
-        self.weights = [m.weight for m in _linears(model)]
-        self.head = model.lm_head.weight
+        self.weights = [(m.weight, getattr(m, "few_rows_weight", m.weight)) for m in _linears(model)]
+        self.head = (model.lm_head.weight, getattr(model.lm_head, "few_rows_weight", model.lm_head.weight))
         self.inputs: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def flops(self, rows: int, sample_rows: int) -> float:
-        return 2.0 * (rows * sum(w.numel() for w in self.weights) + sample_rows * self.head.numel())
+        return 2.0 * (rows * sum(w.numel() for w, _ in self.weights) + sample_rows * self.head[0].numel())
 
     def _x(self, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
         key = (rows, k, dtype)
@@ -77,10 +78,10 @@ class Floor:
     def run(self, rows: int, sample_rows: int) -> tuple[float, float]:
         """CPU-seconds and wall seconds of the step's linear layers alone."""
         c0, w0 = time.process_time(), time.perf_counter()
-        for w in self.weights:
-            _gemm(self._x(rows, w.shape[1], w.dtype), w)
+        for w, few in self.weights:
+            _gemm(self._x(rows, w.shape[1], w.dtype), w, few)
         if sample_rows:
-            _gemm(self._x(sample_rows, self.head.shape[1], self.head.dtype), self.head)
+            _gemm(self._x(sample_rows, self.head[0].shape[1], self.head[0].dtype), *self.head)
         return time.process_time() - c0, time.perf_counter() - w0
 
 

@@ -42,18 +42,23 @@ class Fp32WeightLinear(nn.Module):
     project's AVX2 machine); the fp32 weights are the bf16 values exactly, so only the order of the fp32
     sums differs. Costs twice the weight memory. Up to ``cpu_linear.MAX_ROWS`` rows (decode and speculative
     verify steps at small batch) go through ``cpu_linear.skinny_linear``, which reads the weights once where
-    MKL's sgemm repacks them per call, and sums each row as it would alone.
+    MKL's sgemm repacks them per call, and sums each row as it would alone; for a bf16 layer it reads the layer's
+    own bf16 weights, kept beside the copy (``few_rows_weight``; half the bytes of a step bound by reading them,
+    the same bits out; ``PDSERVE_SKINNY_BF16=0`` drops them and reads the copy).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        w = linear.weight.detach()
+        self.weight = nn.Parameter(w.float(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         self.out_features = linear.out_features
+        keep = w.dtype == torch.bfloat16 and w.is_contiguous() and cpu_linear.bf16_weights_enabled()
+        self.few_rows_weight = w if keep else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_linear.usable(x, self.weight):
-            return cpu_linear.skinny_linear(x, self.weight, self.bias).to(x.dtype)
+            return cpu_linear.skinny_linear(x, self.few_rows_weight, self.bias).to(x.dtype)
         return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 

@@ -28,7 +28,7 @@ def test_the_floor_counts_every_projection_and_the_lm_head_on_its_own_rows():
     # per layer, by hand: q 64x64, k and v 64x16 each, o 64x64, gate and up 64x96 each, down 96x64
     per_layer = 64 * 64 + 2 * 64 * 16 + 64 * 64 + 2 * 64 * 96 + 96 * 64
     assert floor.flops(7, 2) == 2.0 * (7 * 3 * per_layer + 2 * 64 * 500)
-    assert all(w.dtype == torch.float32 for w in floor.weights)  # the fp32 copies pdserve multiplies with
+    assert all(w.dtype == torch.float32 for w, _ in floor.weights)  # the fp32 copies pdserve multiplies with
     cpu, wall = floor.run(20, 3)  # 20 rows: MKL's path; the skinny kernel's below 17
     assert cpu > 0 and wall > 0 and floor.run(4, 4)[0] > 0
 
