@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of issue 15, for a session that is lent one CUDA GPU: in under 10 minutes (the steps' limits add up
-# to 600 s; about 6 minutes expected on an H100/H200) it prints
+# to 600 s; about 6 minutes expected on an H100/H200) it checks and prints
+#   0. that CUDA graphs give the eager engine's tokens (tests/engine/test_cuda_graphs.py: capture and replay of a tiny
+#      model against its unpadded forward, and the default model's engine with graphs against --enforce-eager);
 #   1. the Triton kernels' achieved bandwidth against the device's peak (kernels/bench.py: correctness, then decode
 #      and cache-write bandwidth against the data sheet's peak and a measured 2 GiB device-to-device copy);
 #   2. offline throughput, pdserve alone, CUDA graphs on against --enforce-eager, in turns (pdserve bench throughput);
@@ -13,7 +15,8 @@
 #     bash loadtest/gpu_check.sh
 # Knobs (environment): GPU_CHECK_REQUESTS (offline requests, default 256), GPU_CHECK_PROMPTS (bench serve prompts,
 # default 256), GPU_CHECK_DTYPE (default bfloat16), GPU_CHECK_KV_GIB (KV cache per engine, default 8),
-# GPU_CHECK_PORT (router port, default 18000), GPU_CHECK_STEPS (default "kernels offline serve": a rerun of some). GPU_CHECK_DEVICE=cpu rehearses the script's own plumbing on a machine
+# GPU_CHECK_PORT (router port, default 18000), GPU_CHECK_STEPS (default "graphs kernels offline serve": a rerun of
+# some). GPU_CHECK_DEVICE=cpu rehearses the script's own plumbing on a machine
 # without a GPU (kernels in Triton's interpreter at small sizes, the engines on CPU): its figures mean nothing.
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,7 +32,7 @@ DTYPE=${GPU_CHECK_DTYPE:-bfloat16}
 PORT=${GPU_CHECK_PORT:-18000}
 KV_GIB=${GPU_CHECK_KV_GIB:-8}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-STEPS=" ${GPU_CHECK_STEPS:-kernels offline serve} "
+STEPS=" ${GPU_CHECK_STEPS:-graphs kernels offline serve} "
 START=$(date +%s)
 declare -a SUMMARY=()
 UP_PID=""
@@ -99,15 +102,18 @@ OUT=${GPU_CHECK_OUT:-$(mktemp -d -t pdserve-gpu-check.XXXXXX)}
 mkdir -p "$OUT"
 echo "results and logs: $OUT"
 
+# 0. CUDA graphs give the eager tokens (needs the test dependencies: pip install -e ".[test]" or the like)
+step graphs 80 "$PY" -m pytest -q -p no:cacheprovider -rs "$REPO/tests/engine/test_cuda_graphs.py"
+
 # 1. kernels: correctness, bandwidth vs the data sheet and a measured copy (no engine run: step 2 is that)
 if [ "$DEVICE" = cpu ]; then
-    step kernels 150 "$PY" -m pdserve.kernels.bench --cpu-smoke --json "$OUT/kernels.json"
+    step kernels 120 "$PY" -m pdserve.kernels.bench --cpu-smoke --json "$OUT/kernels.json"
 else
-    step kernels 150 "$PY" -m pdserve.kernels.bench --no-engine --iters 50 --json "$OUT/kernels.json"
+    step kernels 120 "$PY" -m pdserve.kernels.bench --no-engine --iters 50 --json "$OUT/kernels.json"
 fi
 
 # 2. offline throughput, pdserve only: CUDA graphs (default) against --enforce-eager, in turns
-step offline 180 "$PY" -m pdserve.services.cli bench throughput --device "$DEVICE" --with-enforce-eager \
+step offline 150 "$PY" -m pdserve.services.cli bench throughput --device "$DEVICE" --with-enforce-eager \
     --skip hf-static --skip hf-continuous --num-requests "$REQUESTS" --dtype "$DTYPE" --kv-gib "$KV_GIB" \
     --max-model-len 1024 --rounds 2 \
     --json-out "$OUT/offline.json"
@@ -115,7 +121,7 @@ step offline 180 "$PY" -m pdserve.services.cli bench throughput --device "$DEVIC
 # 3. bench serve against pdserve up --colocated on the GPU (one decode worker, TP 1: CUDA graphs on):
 # loadtest/gpu_check_serve.sh, whose ensemble this script stops afterwards (its pid in $OUT/up.pid)
 export PY DTYPE PORT PROMPTS OUT DEVICE KV_GIB
-step serve 225 bash "$REPO/loadtest/gpu_check_serve.sh"
+step serve 190 bash "$REPO/loadtest/gpu_check_serve.sh"
 cleanup_up
 
 echo

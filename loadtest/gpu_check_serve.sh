@@ -5,14 +5,14 @@
 set -uo pipefail
 "$PY" -m pdserve.services.cli up --colocated --device "$DEVICE" --dtype "$DTYPE" --port "$PORT" \
     --max-num-seqs 256 --kv-cache-memory "${KV_GIB}GiB" --log-dir "$OUT/up-logs" --no-restart-workers \
-    --startup-timeout-s 120 >"$OUT/up.log" 2>&1 &
+    --startup-timeout-s 100 >"$OUT/up.log" 2>&1 &
 UP=$!
 echo "$UP" >"$OUT/up.pid"
 trap 'kill -INT $UP 2>/dev/null' EXIT
 WAIT='
 import os, sys, time, urllib.request
 port, pid, device = sys.argv[1], int(sys.argv[2]), os.environ.get("DEVICE")
-deadline = time.time() + 125
+deadline = time.time() + 105
 while time.time() < deadline:
     try:
         os.kill(pid, 0)
@@ -24,7 +24,7 @@ while time.time() < deadline:
     except Exception:
         pass
     time.sleep(1)
-sys.exit("pdserve up: not ready in 125 s")
+sys.exit("pdserve up: not ready in 105 s")
 '
 if ! "$PY" -c "$WAIT" "$PORT" "$UP"; then
     echo "end of pdserve up's log ($OUT/up.log):"
