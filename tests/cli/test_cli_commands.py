@@ -54,6 +54,7 @@ def test_every_bench_command_in_the_table_resolves_under_its_name():
     assert set(bench.list_commands(ctx)) == set(COMMANDS) | {"serve"}
 
 
+@pytest.mark.slow  # a fresh interpreter (about 1 s): the only way to see what an import loads
 def test_bench_serve_and_the_mock_server_start_without_torch():
     # a fresh interpreter: `pdserve bench serve` is a load-test client and must not pay for the offline benchmarks'
     # imports (torch, transformers: 3 CPU-s per start before the lazy table)
