@@ -41,3 +41,10 @@ class PrefillSettings(WorkerSettings):
     # costs no ITL; what it costs is the wait of an abort, a stats call or a new request (one chunk, about 11 CPU-s
     # of the default model in bf16 at 1 thread on a 2-core AVX2 host) and the burst's TTFT p50.
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (the prefill chunk).")
+
+    def engine_config(self):
+        # A prefill pod runs prefill steps only (every request parks after its first token), so decode-batch CUDA
+        # graphs would cost start-up time and GPU memory for nothing: always eager here.
+        config = super().engine_config()
+        config.enforce_eager = True
+        return config

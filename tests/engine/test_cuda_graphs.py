@@ -202,6 +202,16 @@ def test_graphs_are_built_only_for_cuda_with_triton_and_one_rank():
         assert "attention backend 'torch' syncs with the host" in log.getvalue()
 
 
+def test_prefill_pods_never_capture_and_decode_pods_follow_their_setting():
+    from pdserve.services.decode.settings import DecodeSettings
+    from pdserve.services.prefill.settings import PrefillSettings
+
+    assert PrefillSettings(device="cuda").engine_config().enforce_eager  # prefill steps only: graphs unused
+    assert not DecodeSettings(device="cuda").engine_config().enforce_eager
+    assert DecodeSettings(device="cuda", enforce_eager=True).engine_config().enforce_eager
+    assert DecodeSettings(max_cudagraph_capture_size=16).engine_config().max_cudagraph_capture_size == 16
+
+
 @torch.inference_mode()
 def test_triton_decode_is_right_with_the_captures_host_lengths():
     """A graph bakes the decode kernel's split count, chosen on the host from ``seq_lens_cpu`` at capture, where
