@@ -220,6 +220,7 @@ def breakdown(engine, steps: int) -> dict:
         (cpu_linear, "skinny_linear", t.wrap(_gemm_label, cpu_linear.skinny_linear)),
         (F, "linear", t.wrap(_gemm_label, F.linear)),
         (fp32_cls, "forward", t.wrap("projections: casts, Python", fp32_cls.forward)),
+        (fp32_cls, "forward_f32", t.wrap("projections: casts, Python", fp32_cls.forward_f32)),
         (model.lm_head, "forward", t.wrap("LM head: casts, Python", model.lm_head.forward)),
         (backend, "forward", t.wrap("attention kernel", backend.forward)),
         (backend, "reshape_and_cache", t.wrap("KV cache write", backend.reshape_and_cache)),

@@ -57,9 +57,14 @@ class Fp32WeightLinear(nn.Module):
         self.few_rows_weight = w if keep else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_f32(x).to(x.dtype)
+
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, in] in any float dtype -> [M, out] float32, not rounded to the model's dtype (the fused CPU
+        kernels round it where the cast would, in the same pass as their own work)."""
         if cpu_linear.usable(x, self.weight):
-            return cpu_linear.skinny_linear(x, self.few_rows_weight, self.bias).to(x.dtype)
-        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+            return cpu_linear.skinny_linear(x, self.few_rows_weight, self.bias)
+        return F.linear(x.float(), self.weight, self.bias)
 
 
 def native_low_precision_matmul() -> bool:
@@ -111,18 +116,20 @@ class LlamaAttention(nn.Module):
         o = self.backend.forward(q, k_cache, v_cache, md, self.scale)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
-    def forward_fused(self, x, cos_sin, positions, k_cache, v_cache, md: AttentionMetadata) -> torch.Tensor:
-        """``forward`` with RoPE applied in place on the QKV projection's Q and K (one pass, no copies)."""
+    def forward_fused(self, x, cos_sin, positions, k_cache, v_cache, md: AttentionMetadata, f32_io: bool = False):
+        """``forward`` with RoPE applied in place on the QKV projection's Q and K (one pass, no copies). ``f32_io``:
+        ``x`` is float32 holding model-dtype values and the result is ``o_proj``'s float32 output, not rounded
+        (``Fp32WeightLinear.forward_f32``; the fused kernels around it round as the casts would)."""
         t, hd = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward_f32(x).to(cos_sin.dtype) if f32_io else self.qkv_proj(x)
         cpu_elementwise.rope_(qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, hd),
                               cos_sin, positions)
         q = qkv[:, :self.q_size].view(t, self.num_heads, hd)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, hd)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, hd)
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
-        o = self.backend.forward(q, k_cache, v_cache, md, self.scale)
-        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.q_size)))
+        o = self.backend.forward(q, k_cache, v_cache, md, self.scale).reshape(t, self.q_size)
+        return self.o_proj.forward_f32(o) if f32_io else self.tp.all_reduce(self.o_proj(o))
 
 
 class LlamaMLP(nn.Module):
@@ -145,6 +152,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the fused path hands the fp32-weight GEMMs float32 in and out (set by use_fp32_matmul_weights; not under
+        # tensor parallelism, whose all-reduce sums the rounded outputs)
+        self.f32_io = False
 
     def forward(self, x, cos, sin, k_cache, v_cache, md):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, md)
@@ -154,11 +164,17 @@ class LlamaDecoderLayer(nn.Module):
         """The same layer with the CPU element-wise kernels: ``residual`` [T, hidden] is updated in place with
         the previous layer's output ``delta`` (None for the first layer) and this layer's attention; returns
         this layer's MLP output, the next layer's ``delta`` (vLLM's residual-passing form)."""
-        eps = self.input_layernorm.eps
+        eps, mlp = self.input_layernorm.eps, self.mlp
+        if self.f32_io:  # no cast passes: the kernels round the GEMMs' float32 on load and write float32
+            h = cpu_elementwise.add_rms_norm(residual, delta, self.input_layernorm.weight, eps, torch.float32)
+            a = self.self_attn.forward_fused(h, cos_sin, positions, k_cache, v_cache, md, True)
+            h = cpu_elementwise.add_rms_norm(residual, a, self.post_attention_layernorm.weight, eps, torch.float32)
+            gu = mlp.gate_up_proj.forward_f32(h)
+            return mlp.down_proj.forward_f32(cpu_elementwise.silu_mul(gu, residual.dtype, torch.float32))
         h = cpu_elementwise.add_rms_norm(residual, delta, self.input_layernorm.weight, eps)
         a = self.self_attn.forward_fused(h, cos_sin, positions, k_cache, v_cache, md)
         h = cpu_elementwise.add_rms_norm(residual, a, self.post_attention_layernorm.weight, eps)
-        return self.mlp.tp.all_reduce(self.mlp.down_proj(cpu_elementwise.silu_mul(self.mlp.gate_up_proj(h))))
+        return mlp.tp.all_reduce(mlp.down_proj(cpu_elementwise.silu_mul(mlp.gate_up_proj(h))))
 
 
 def default_rope(config, theta: float, position_ids: torch.Tensor, dtype: torch.dtype):
@@ -239,4 +255,5 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.o_proj = Fp32WeightLinear(layer.self_attn.o_proj)
             layer.mlp.gate_up_proj = Fp32WeightLinear(layer.mlp.gate_up_proj)
             layer.mlp.down_proj = Fp32WeightLinear(layer.mlp.down_proj)
+            layer.f32_io = self.tp.size == 1
         self.lm_head = Fp32WeightLinear(self.lm_head)
