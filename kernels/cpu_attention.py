@@ -43,6 +43,7 @@ def load() -> ctypes.CDLL | None:
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [
         ctypes.c_float, ctypes.c_int]
+    lib.set_decode_path.argtypes = [ctypes.c_int]
     lib.reshape_and_cache.restype = ctypes.c_int
     lib.reshape_and_cache.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,

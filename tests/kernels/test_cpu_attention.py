@@ -16,6 +16,7 @@ STEPS = {
     "decodes": [(5, 1), (15, 1), (48, 1), (300, 1)],
     "long_prefill": [(7, 70)],  # three row chunks of one sequence
     "verify_k_plus_1": [(40, 5), (3, 4), (77, 1)],  # speculative verification: multi-token queries
+    "chunk_of_one_row": [(10, 33), (0, 65), (31, 1)],  # prefill chunks whose last task has a single row
 }
 
 
@@ -32,6 +33,26 @@ def test_kernel_matches_reference(name, dtype, num_heads, num_kv_heads, block_si
     assert out.dtype == dtype and out.shape == step.query.shape
     assert torch.isfinite(out).all()  # the cache is NaN outside the written slots: nothing else was read
     assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(STEPS))
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 16), (4, 4, 32), (8, 1, 16), (4, 2, 8)])
+def test_single_row_tasks_equal_the_general_task_bit_for_bit(name, dtype, num_heads, num_kv_heads, block_size):
+    """The one-row (decode) path reads K/V in place and shares loads over up to 3 heads; its sums run in the general
+    AVX2 task's order, so outputs are equal bit for bit (2 heads per KV head: a group of 2; 8: groups of 3, 3, 2)."""
+    step = make_step(STEPS[name], num_heads, num_kv_heads, 64, block_size, dtype)
+    reshape_and_cache_ref(step.key, step.value, step.k_cache, step.v_cache, step.md.slot_mapping)
+    md, lib = step.md, cpu_attention.load()
+    outs = []
+    for on in (0, 1):
+        lib.set_decode_path(on)
+        try:
+            outs.append(cpu_attention.paged_attention_cpu(step.query, step.k_cache, step.v_cache, md.block_tables,
+                                                          md.seq_lens, md.query_start_loc, 0.125))
+        finally:
+            lib.set_decode_path(1)
+    assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
 
 
 def test_a_sequence_without_query_rows_is_skipped():
