@@ -7,7 +7,8 @@ each, every layer writes its new K/V into the paged cache and attends through th
 Qwen2's Q/K/V bias is supported; Mistral's sliding window is not (full attention is used).
 On CPU (float32/bfloat16) the element-wise work runs in fused C kernels (``kernels/cpu_elementwise.py``:
 residual add + RMSNorm, RoPE in place, SiLU * up) unless ``PDSERVE_FUSED_CPU=0``; they round as the
-PyTorch ops do.
+PyTorch ops do. With fp32 weight copies (``Fp32WeightLinear``) those kernels also take the GEMMs' float32 output
+and give them float32 input, rounding to the model's dtype where the casts they replace would (``f32_io``).
 """
 
 from __future__ import annotations
