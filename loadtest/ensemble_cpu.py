@@ -121,7 +121,9 @@ def run_ensemble(mode: str, model: str, dtype: str, kv: str, pin: bool, up_args:
            "--kv-cache-memory", kv, *MODES[mode], *(pin_args(mode) if pin else []), *up_args]
     url = f"http://127.0.0.1:{port}"
     with running(cmd, url + "/health", timeout_s=timeout_s, serving_model=model) as proc:
-        asyncio.run(send_all(url, model, prompts[:4], [4] * 4))  # warm-up: first steps, connections
+        # warm-up (first steps, connections) on prompts the measured load does not contain: the workload's own would
+        # be in the prefix cache when it runs
+        asyncio.run(send_all(url, model, [p[::-1] for p in prompts[:4]], [4] * 4))
         before = tree_cpu(proc.pid)
         start = time.perf_counter()
         tokens = asyncio.run(send_all(url, model, prompts, outputs))

@@ -13,9 +13,12 @@ Servers (``--server``, repeatable, run in the order given):
 
 Every launched server is started once, before the first turn (ready = ``GET /health`` answers 200 and a one-token
 completion succeeds), keeps running through all turns, and is stopped with SIGTERM to its process group at the end.
-The dataset is built once (``bench serve``'s options; prompt lengths from the first server's ``/tokenize``) and the
-same requests go to every server. ``--num-warmups`` requests are sent to each server once, before any turn. Then,
-for each round and each rate of ``--request-rates``, every server takes its turn (A B C A B C ...).
+Each (round, rate) gets its own dataset (``bench serve``'s options with ``--seed`` + 1, + 2, ...; prompt lengths
+from the first server's ``/tokenize``), and every server gets the same requests in that turn: a server that kept the
+previous turn's prompts in its prefix cache (pdserve and vLLM both cache by default) would otherwise skip their
+prefill in every turn after the first. ``--num-warmups`` requests (from ``--seed`` itself) are sent to each server
+once, before any turn. Then, for each round and each rate of ``--request-rates``, every server takes its turn
+(A B C A B C ...).
 
 Per turn it reports vLLM's metrics (``output_throughput``, ``median_ttft_ms``/``p99_ttft_ms``, TPOT, ITL), the
 failures (streams are read strictly, ``sse.py``: a malformed stream is a ``stream_error`` failure), the load
@@ -179,12 +182,19 @@ def summary_table(runs: list[dict[str, Any]], servers: list[Server], rate: float
 
 
 def run_turns(opts, servers: list[Server], rates: tuple[float, ...], rounds: int, num_warmups: int):
-    """Build the requests once, warm every server up once, then the turns; returns the runs."""
+    """Build one dataset per turn (and one for the warm-ups), warm every server up once, then the turns; returns
+    the first turn's requests and the runs."""
     from pdserve.loadtest.benchmark import prepare, run_prepared, run_sync
     from pdserve.loadtest.preflight import check_server
 
     first = replace(opts, client=replace(opts.client, base_url=servers[0].url))
-    _, requests = run_sync(prepare(first))
+
+    def dataset(offset: int) -> list:
+        return run_sync(prepare(replace(first, dataset=replace(first.dataset, seed=first.dataset.seed + offset))))[1]
+
+    requests = dataset(0)
+    turn_requests = {(rnd, rate): dataset(1 + i) for i, (rnd, rate) in
+                     enumerate((rnd, rate) for rnd in range(1, rounds + 1) for rate in rates)}
     model = first.client.model
     contexts = {}
     for s in servers:
@@ -200,7 +210,7 @@ def run_turns(opts, servers: list[Server], rates: tuple[float, ...], rounds: int
         for rate in rates:
             for s in servers:
                 sopts, info = contexts[s.name]
-                res = measured_turn(sopts, info, requests, s, rate)
+                res = measured_turn(sopts, info, turn_requests[rnd, rate], s, rate)
                 runs.append({"server": s.name, "round": rnd, "rate": rate, "result": res})
                 click.echo(f"[{s.name}] round {rnd}, {rate:g} req/s: {_fmt(res['output_throughput'])} tok/s, "
                            f"{_fmt(res['output_tokens_per_cpu_s'])} tok/CPU-s ({_fmt(res['server_cpu_s'])} CPU-s in "
@@ -208,7 +218,7 @@ def run_turns(opts, servers: list[Server], rates: tuple[float, ...], rounds: int
                            f"TPOT p50 {_fmt(res['median_tpot_ms'], '.0f')} ms, {res['failed']} failed"
                            f"{' ' + str(res['failed_by_status']) if res['failed'] else ''}, "
                            f"load {res['loadavg']:.1f}", err=True)
-    return requests, runs
+    return turn_requests[1, rates[0]], runs
 
 
 @click.command("serve-compare", cls=GreedyCommand)

@@ -177,6 +177,10 @@ class KVCacheManager:
         """Prefix-cache ``stored``/``removed`` events since the last call (with ``enable_kv_events``)."""
         return self.block_pool.take_events()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; False (nothing done) while any block is held by a request."""
+        return self.block_pool.reset_prefix_cache()
+
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every block hash the prefix cache holds now."""
         return list(self.block_pool.cached_block_hash_to_block)

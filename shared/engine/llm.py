@@ -98,6 +98,11 @@ class LLM:
                     engine.abort_request(rid)
         return [finished[rid] for rid in request_ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's ``LLM.reset_prefix_cache``), e.g. between benchmark turns that repeat the
+        same prompts; returns False, doing nothing, while requests hold KV blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_stats(self) -> dict:
         """KV and scheduling counters: ``kv_blocks_total``, ``kv_blocks_used``, ``kv_tokens_live``,
         ``peak_kv_blocks_used``, ``peak_kv_tokens_live``, ``prefix_cache_queries``,

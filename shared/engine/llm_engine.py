@@ -252,6 +252,10 @@ class LLMEngine:
         """Every block hash in the prefix cache now."""
         return self.kv_manager.cached_block_hashes()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (removals go out as KV events); False, and nothing done, while requests hold blocks."""
+        return self.kv_manager.reset_prefix_cache()
+
     # stats
     def get_stats(self) -> dict:
         """Gauges and running totals (tokens unless named otherwise): see ``EngineCounters`` and

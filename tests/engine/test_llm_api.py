@@ -130,3 +130,26 @@ def test_empty_cache_salt_is_rejected_not_taken_for_no_salt(llm_fp32, prompt_of)
         engine.add_request("salt", prompt_of(8), GREEDY, cache_salt="")
     assert (err.value.param, str(err.value)) == ("cache_salt", "cache_salt must be a non-empty string when given.")
     assert not engine.owns("salt")
+
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(llm_fp32, prompt_of):
+    prompt = prompt_of(40)  # two full blocks cached after a run
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def hits_of_one_run() -> int:
+        before = llm_fp32.get_stats()["prefix_cache_hits"]
+        llm_fp32.generate([prompt], params, use_tqdm=False)
+        return llm_fp32.get_stats()["prefix_cache_hits"] - before
+
+    hits_of_one_run()
+    assert hits_of_one_run() == 32  # the repeat finds both full blocks
+    assert llm_fp32.reset_prefix_cache() is True
+    assert hits_of_one_run() == 0
+    engine = llm_fp32.llm_engine
+    engine.add_request("held", prompt, params)
+    try:
+        engine.step()
+        assert llm_fp32.reset_prefix_cache() is False  # a request holds blocks: nothing is done
+        assert engine.cached_block_hashes()
+    finally:
+        engine.abort_request("held")

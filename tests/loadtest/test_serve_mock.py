@@ -231,3 +231,29 @@ def test_serve_compare_sends_the_same_requests_to_each_server_in_turns(mock, tmp
     assert runs["standin"]["failed"] == 3 and runs["standin"]["completed"] == 0
     assert set(runs["standin"]["failed_by_status"]) == {"stream_error"}
     assert "| attached | 1 |" in r.output and "attached: " in r.output and "x attached" in r.output
+
+
+def test_serve_compare_gives_every_turn_its_own_prompts_and_every_server_the_same(mock, tmp_path, monkeypatch):
+    # a server keeps the previous turn's prompts in its prefix cache (pdserve and vLLM both do): a turn that repeated
+    # them would skip their prefill; the turns' own datasets come from --seed + 1, + 2, ... and the warm-ups from --seed
+    from pdserve.loadtest import serve_compare
+
+    seen = []
+    real = serve_compare.measured_turn
+
+    def recording(opts, info, requests, server, rate):
+        seen.append((server.name, rate, tuple(r.prompt for r in requests)))
+        return real(opts, info, requests, server, rate)
+
+    monkeypatch.setattr(serve_compare, "measured_turn", recording)
+    r = CliRunner().invoke(bench, [
+        "serve-compare", "--model", "mock-model", "--tokenizer", TOKENIZER, "--server", f"a={mock.url}",
+        "--server", f"b={mock.url}", "--dataset", "random", "--num-prompts", "2", "--random-input-len", "16",
+        "--random-output-len", "2", "--ignore-eos", "--request-rates", "1000,inf", "--rounds", "2", "--num-warmups", "1",
+        "--disable-tqdm"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert [(name, rate) for name, rate, _ in seen] == [(n, x) for _ in range(2) for x in (1000, float("inf"))
+                                                          for n in "ab"]
+    turns = [prompts for name, _, prompts in seen if name == "a"]
+    assert [prompts for name, _, prompts in seen if name == "b"] == turns  # the same requests for every server
+    assert len({p for prompts in turns for p in prompts}) == 4 * 2  # no prompt repeats across the four turns

@@ -27,3 +27,5 @@ def test_contenders_run_in_turns_and_report_tokens_per_cpu_second(tmp_path):
     for row in rows.values():
         assert all(r["output_tokens"] == rows["pdserve"]["runs"][0]["output_tokens"] for r in row["runs"])
         assert 0 < row["tok_per_cpu_s"] and 0 < row["tok_s"]
+    # every turn computes its prompts: none finds them in the prefix cache the previous turn (or the warm-up) filled
+    assert [r["stats"]["turn_prefix_cache_hits"] for r in rows["pdserve"]["runs"]] == [0, 0]
