@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -90,16 +91,22 @@ def sweep_command(request_rates, saturation, num_rates, slo_values, slo_preset, 
         out = Path(output_dir)
 
         async def main():
-            info, requests = await prepare(opts)
+            # each run gets its own prompts (--seed, + 1, + 2, ...): a server keeps earlier runs' prompts in its
+            # prefix cache, and a rate point that repeated them would report cached prefills' TTFT
+            async def dataset(offset: int):
+                return await prepare(replace(opts, dataset=replace(opts.dataset, seed=opts.dataset.seed + offset)))
+
             points, saturation_result = [], None
             todo = rates
             if saturation:
                 click.echo("finding the saturation point (all requests at once)", err=True)
+                info, requests = await dataset(0)
                 saturation_result, _ = await run_prepared(opts, info, requests, math.inf)
                 save_json(saturation_result, out / "saturation.json")
                 todo = saturation_rates(saturation_result["request_throughput"], num_rates)
-            for rate in todo:
+            for i, rate in enumerate(todo, start=1 if saturation else 0):
                 click.echo(f"rate {rate:g} req/s", err=True)
+                info, requests = await dataset(i)
                 result, outcome = await run_prepared(opts, info, requests, rate)
                 save_json(result, out / f"rate-{rate:g}.json")
                 points.append(summary_point(result, rate, evaluate(spec, outcome.records)))

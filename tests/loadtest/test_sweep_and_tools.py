@@ -36,6 +36,25 @@ def test_sweep_reports_slo_capacity_and_plots(mock, tmp_path):
     assert "SLO capacity (custom" in r.output and "20 req/s" in r.output
 
 
+def test_each_sweep_run_has_its_own_prompts(mock, tmp_path, monkeypatch):
+    # the server keeps earlier runs' prompts in its prefix cache: a rate point that repeated them (the saturation
+    # run's, or the previous rate's) would measure cached prefills
+    from pdserve.loadtest import benchmark
+
+    seen, real = [], benchmark.run_prepared
+
+    async def recording(opts, info, requests, rate=None, **kw):
+        seen.append(tuple(r.prompt for r in requests))
+        return await real(opts, info, requests, rate, **kw)
+
+    monkeypatch.setattr(benchmark, "run_prepared", recording)
+    r = run("sweep", "--disable-tqdm", "--base-url", mock.url, "--tokenizer", TOKENIZER, "--num-prompts", "3",
+            "--random-input-len", "8", "--random-output-len", "2", "--saturation", "--num-rates", "2",
+            "--slo", "ttft:60000", "tpot:60000", "--output-dir", str(tmp_path / "sweep"))
+    assert r.exit_code == 0, r.output
+    assert len(seen) == 3 and len({p for prompts in seen for p in prompts}) == 3 * 3
+
+
 @pytest.mark.slow
 def test_sweep_with_impossible_slo_has_no_capacity(mock, tmp_path):
     out = tmp_path / "sweep"
