@@ -36,6 +36,7 @@ def test_sweep_reports_slo_capacity_and_plots(mock, tmp_path):
     assert "SLO capacity (custom" in r.output and "20 req/s" in r.output
 
 
+@pytest.mark.slow
 def test_each_sweep_run_has_its_own_prompts(mock, tmp_path, monkeypatch):
     # the server keeps earlier runs' prompts in its prefix cache: a rate point that repeated them (the saturation
     # run's, or the previous rate's) would measure cached prefills
