@@ -258,25 +258,31 @@ static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 /* One decode row (a task of one query row) for query heads [j0, j0 + G) of its group, G <= 3: attend_task_avx2's
- * arithmetic in its order, bit for bit, but K and V are read straight from the cache (bf16 -> fp32 in registers)
- * and each load serves all G heads: 4 keys x G heads of scores at a time, then G accumulators over the values.
- * Reads keys t0..t0+3 of a block (bs % 4 == 0), lanes past `valid` are never used. */
+ * arithmetic in its order, bit for bit. Each block's K/V rows are copied to fp32 first, as that task does (reading
+ * them in place in the loops below instead was 1.6x faster while the K/V sat in cache but 15% slower once a step's
+ * ~110 MB streamed from memory: the bulk copy keeps more loads in flight), then every load from the copy serves all
+ * G heads: 4 keys x G heads of scores at a time, then G accumulators over the values. Scores are computed for keys
+ * t0..t0+3 of a block (bs % 4 == 0); lanes past `valid` hold stale copy rows and are never used. */
 static inline void decode_heads(const void *kc, const void *vc, const int32_t *table, int64_t ctx, int kvh,
                                 int num_kv_heads, int d, int bs, int dtype, int j0, const int G, const float *qf,
-                                float *acc, float *m, float *l) {
+                                float *acc, float *m, float *l, float *kbuf, float *vbuf) {
     const int64_t stride_tok = (int64_t)num_kv_heads * d, nblocks = (ctx - 1) / bs + 1;
     for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t base = (int64_t)table[b] * bs * stride_tok + (int64_t)kvh * d, first = b * bs;
+        const int64_t src = (int64_t)table[b] * bs * stride_tok + (int64_t)kvh * d, first = b * bs;
         const int valid = (int)((ctx - first) < bs ? (ctx - first) : bs);
+        for (int t = 0; t < valid; t++)
+            for (int c = 0; c < d; c += 8) {
+                _mm256_storeu_ps(kbuf + (int64_t)t * d + c, load8(kc, src + t * stride_tok + c, dtype));
+                _mm256_storeu_ps(vbuf + (int64_t)t * d + c, load8(vc, src + t * stride_tok + c, dtype));
+            }
         float p[3][MAX_BS];
         for (int t0 = 0; t0 < valid; t0 += 4) {
             __m256 a[3][4];
             for (int j = 0; j < G; j++)
                 for (int u = 0; u < 4; u++) a[j][u] = _mm256_setzero_ps();
-            const int64_t kb = base + t0 * stride_tok;
             for (int c = 0; c < d; c += 8) {
                 __m256 k[4];
-                for (int u = 0; u < 4; u++) k[u] = load8(kc, kb + u * stride_tok + c, dtype);
+                for (int u = 0; u < 4; u++) k[u] = _mm256_loadu_ps(kbuf + (int64_t)(t0 + u) * d + c);
                 for (int j = 0; j < G; j++) {
                     const __m256 qc = _mm256_loadu_ps(qf + (int64_t)(j0 + j) * d + c);
                     for (int u = 0; u < 4; u++) a[j][u] = _mm256_fmadd_ps(qc, k[u], a[j][u]);
@@ -303,7 +309,7 @@ static inline void decode_heads(const void *kc, const void *vc, const int32_t *t
             __m256 x[3];
             for (int j = 0; j < G; j++) x[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + (int64_t)(j0 + j) * d + c), cv[j]);
             for (int t = 0; t < valid; t++) {
-                const __m256 v = load8(vc, base + t * stride_tok + c, dtype);
+                const __m256 v = _mm256_loadu_ps(vbuf + (int64_t)t * d + c);
                 for (int j = 0; j < G; j++) x[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j][t]), v, x[j]);
             }
             for (int j = 0; j < G; j++) _mm256_storeu_ps(acc + (int64_t)(j0 + j) * d + c, x[j]);
@@ -311,21 +317,23 @@ static inline void decode_heads(const void *kc, const void *vc, const int32_t *t
     }
 }
 
-/* attend_task_avx2 for a task of one query row (decode steps), same results bit for bit: no fp32 copy of the
- * block, every K/V load shared by up to 3 query heads (1.6x faster on a batch-32 decode step of SmolLM2-135M's
- * 9/3 heads here: 21.5 -> 13.1 CPU-ms for 30 layers of contexts 36-276, bf16, 1 thread). A task of one row is
- * always its sequence's last row (row chunks start at multiples of ROWS_PER_TASK), so it sees ctx keys. */
+/* attend_task_avx2 for a task of one query row (decode steps), same results bit for bit, every load from the
+ * block's fp32 copy shared by up to 3 query heads: SmolLM2-135M's 9/3 heads, batch 32, contexts 36-276, bf16,
+ * 1 thread, 30 layers: 41-42 -> 37-39 CPU-ms with 30 distinct layers' K/V (135 MB, from memory), 23.5 -> 19.2 with
+ * one layer's K/V in cache 30 times. A task of one row is always its sequence's last row (row chunks start at
+ * multiples of ROWS_PER_TASK), so it sees ctx keys. */
 static void attend_decode_avx2(const void *q, int64_t q_stride, const void *kc, const void *vc, void *out,
                                const int32_t *table, int64_t ctx /* keys the row sees */, int64_t row, int kvh, int num_heads,
                                int num_kv_heads, int d, int bs, float scale, int dtype, float *scratch) {
     const int g = num_heads / num_kv_heads;
-    float *qf = scratch, *acc = qf + (int64_t)g * d, *m = acc + (int64_t)g * d, *l = m + g;
+    float *qf = scratch, *acc = qf + (int64_t)g * d, *m = acc + (int64_t)g * d, *l = m + g, *kbuf = l + g;
+    float *vbuf = kbuf + (int64_t)MAX_BS * d;
     task_begin(q, q_stride, row, 1, g, kvh, d, dtype, scale, qf, acc, m, l);
     for (int j0 = 0; j0 < g; j0 += 3) {
         const int G = g - j0 < 3 ? g - j0 : 3;
-        if (G == 3) decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, j0, 3, qf, acc, m, l);
-        else if (G == 2) decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, j0, 2, qf, acc, m, l);
-        else decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, j0, 1, qf, acc, m, l);
+        if (G == 3) decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, j0, 3, qf, acc, m, l, kbuf, vbuf);
+        else if (G == 2) decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, j0, 2, qf, acc, m, l, kbuf, vbuf);
+        else decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, j0, 1, qf, acc, m, l, kbuf, vbuf);
     }
     task_end(out, row, 1, g, kvh, num_heads, d, dtype, acc, l);
 }
