@@ -50,6 +50,15 @@ def greedy(offline, max_tokens: int) -> str:
 
 
 def child_pid(ens: Ensemble, service: str, pod_id: str | None = None) -> int:
+    pid = find_child_pid(ens, service, pod_id)
+    if pid is None:
+        raise AssertionError(f"no {service} process")
+    return pid
+
+
+def find_child_pid(ens: Ensemble, service: str, pod_id: str | None = None) -> int | None:
+    """The pid of ``pdserve up``'s child running ``service``, or None while there is none (e.g. between
+    a kill and the restart)."""
     for proc in psutil.Process(ens.proc.pid).children(recursive=True):
         try:
             argv = proc.cmdline()
@@ -59,7 +68,7 @@ def child_pid(ens: Ensemble, service: str, pod_id: str | None = None) -> int:
                 return proc.pid
         except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, IndexError):
             continue
-    raise AssertionError(f"no {service} process")
+    return None
 
 
 def stream(ens: Ensemble, max_tokens: int, on_text=None) -> tuple[str, str | None, list[dict]]:
@@ -215,7 +224,8 @@ def test_a_killed_registry_stops_nothing(ens, offline):
 
     text, finish, _ = stream(ens, 32, kill_once)
     assert (text, finish) == (want, "length")  # the stream in flight needs no registry
-    wait_until(lambda: child_pid(ens, "registry") != killed["pid"] and router_serves(ens), 180,
+    # Between the kill and the restart there is no registry process at all: keep waiting then.
+    wait_until(lambda: find_child_pid(ens, "registry") not in (None, killed["pid"]) and router_serves(ens), 180,
                "the registry is started again and the pods are listed")
     assert "pdserve up: registry exited with status -9; restarting it" in (ens.log_dir / "up.out").read_text()
     assert stream(ens, 32)[0] == want
