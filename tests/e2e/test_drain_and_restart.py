@@ -16,7 +16,6 @@ import signal
 import time
 
 import httpx
-import psutil
 import pytest
 
 from support.ensemble import Ensemble
@@ -47,28 +46,6 @@ def greedy(offline, max_tokens: int) -> str:
 
     (out,) = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return out.outputs[0].text
-
-
-def child_pid(ens: Ensemble, service: str, pod_id: str | None = None) -> int:
-    pid = find_child_pid(ens, service, pod_id)
-    if pid is None:
-        raise AssertionError(f"no {service} process")
-    return pid
-
-
-def find_child_pid(ens: Ensemble, service: str, pod_id: str | None = None) -> int | None:
-    """The pid of ``pdserve up``'s child running ``service``, or None while there is none (e.g. between
-    a kill and the restart)."""
-    for proc in psutil.Process(ens.proc.pid).children(recursive=True):
-        try:
-            argv = proc.cmdline()
-            if argv[argv.index("pdserve.services.cli") + 1] != service:
-                continue
-            if pod_id is None or proc.environ().get("PDSERVE_POD_ID") == pod_id:
-                return proc.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, IndexError):
-            continue
-    return None
 
 
 def stream(ens: Ensemble, max_tokens: int, on_text=None) -> tuple[str, str | None, list[dict]]:
@@ -123,7 +100,7 @@ def test_sigterm_drains_the_router_then_up_starts_it_again(ens, offline):
     def sigterm_once(text: str) -> None:
         if seen:
             return
-        os.kill(child_pid(ens, "router"), signal.SIGTERM)
+        os.kill(ens.child_pid("router"), signal.SIGTERM)
         time.sleep(0.5)
         seen["health"] = httpx.get(f"{ens.router_url}/health", timeout=10)
         seen["new"] = httpx.post(f"{ens.router_url}/v1/completions", timeout=10,
@@ -148,7 +125,7 @@ def test_a_second_sigterm_ends_the_rest_with_an_error_chunk_and_done(ens):
 
     def sigterm_twice(text: str) -> None:
         if not sent:
-            pid = sent["pid"] = child_pid(ens, "router")
+            pid = sent["pid"] = ens.child_pid("router")
             os.kill(pid, signal.SIGTERM)
             time.sleep(0.3)
             os.kill(pid, signal.SIGTERM)
@@ -179,7 +156,7 @@ def test_a_sigtermed_decode_pod_hands_its_request_over(ens, offline):
         busy = [p for p in ens.pods("decode") if ens.stats(p)["num_running"] > 0]
         assert len(busy) == 1
         victim.update(busy[0])
-        os.kill(child_pid(ens, "decode", victim["pod_id"]), signal.SIGTERM)
+        os.kill(ens.child_pid("decode", victim["pod_id"]), signal.SIGTERM)
 
     text, finish, _ = stream(ens, 48, sigterm_once)
     assert victim and (text, finish) == (want, "length")
@@ -196,7 +173,7 @@ def test_a_killed_router_leaves_no_orphan_and_comes_back(ens):
     def kill_once(text: str) -> None:
         if not killed:
             killed["at"] = time.monotonic()
-            os.kill(child_pid(ens, "router"), signal.SIGKILL)
+            os.kill(ens.child_pid("router"), signal.SIGKILL)
 
     with pytest.raises(httpx.HTTPError):
         stream(ens, 700, kill_once)
@@ -219,13 +196,13 @@ def test_a_killed_registry_stops_nothing(ens, offline):
 
     def kill_once(text: str) -> None:
         if not killed:
-            killed["pid"] = child_pid(ens, "registry")
+            killed["pid"] = ens.child_pid("registry")
             os.kill(killed["pid"], signal.SIGKILL)
 
     text, finish, _ = stream(ens, 32, kill_once)
     assert (text, finish) == (want, "length")  # the stream in flight needs no registry
     # Between the kill and the restart there is no registry process at all: keep waiting then.
-    wait_until(lambda: find_child_pid(ens, "registry") not in (None, killed["pid"]) and router_serves(ens), 180,
+    wait_until(lambda: ens.find_child_pid("registry") not in (None, killed["pid"]) and router_serves(ens), 180,
                "the registry is started again and the pods are listed")
     assert "pdserve up: registry exited with status -9; restarting it" in (ens.log_dir / "up.out").read_text()
     assert stream(ens, 32)[0] == want

@@ -9,24 +9,12 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 from support.ensemble import Ensemble, stream_completion
 
 MODEL = "smollm2-135m-instruct"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def worker_pid(ensemble: Ensemble, pod_id: str) -> int:
-    """The process of ``pdserve up``'s child whose PDSERVE_POD_ID is ``pod_id``."""
-    for proc in psutil.Process(ensemble.proc.pid).children(recursive=True):
-        try:
-            if proc.environ().get("PDSERVE_POD_ID") == pod_id and "decode" in " ".join(proc.cmdline()):
-                return proc.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    raise AssertionError(f"no process for {pod_id}")
 
 
 def test_a_killed_decode_worker_is_restarted_and_its_request_moves(tmp_path):
@@ -43,7 +31,7 @@ def test_a_killed_decode_worker_is_restarted_and_its_request_moves(tmp_path):
             busy = [p for p in ens.pods("decode") if ens.stats(p)["num_running"] > 0]
             assert len(busy) == 1
             victim.update(busy[0])
-            os.kill(worker_pid(ens, victim["pod_id"]), signal.SIGKILL)
+            os.kill(ens.child_pid("decode", victim["pod_id"]), signal.SIGKILL)
 
         got, finish = stream_completion(ens, body, kill_once)
         assert victim and got == want and finish == "length"

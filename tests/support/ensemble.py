@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from support.redis_server import free_port
 
@@ -76,6 +77,27 @@ class Ensemble:
 
     def stats(self, pod: dict) -> dict:
         return httpx.get(f"http://{pod['host']}:{pod['http_port']}/v1/stats", timeout=10).json()
+
+    def find_child_pid(self, service: str, pod_id: str | None = None) -> int | None:
+        """The pid of ``pdserve up``'s child running ``service`` (``pdserve.services.cli SERVICE``; with ``pod_id``,
+        the one whose PDSERVE_POD_ID is that), or None while there is none (e.g. between a kill and the restart)."""
+        for proc in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                argv = proc.cmdline()
+                if argv[argv.index("pdserve.services.cli") + 1] != service:
+                    continue
+                if pod_id is None or proc.environ().get("PDSERVE_POD_ID") == pod_id:
+                    return proc.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, IndexError):
+                continue
+        return None
+
+    def child_pid(self, service: str, pod_id: str | None = None) -> int:
+        """``find_child_pid``, failing the test when there is no such child."""
+        pid = self.find_child_pid(service, pod_id)
+        if pid is None:
+            raise AssertionError(f"no {service} process" + (f" for {pod_id}" if pod_id else ""))
+        return pid
 
 
 def stream_completion(ensemble: Ensemble, body: dict, on_text=None, timeout_s: float = 300) -> tuple[str, str | None]:
