@@ -1,4 +1,4 @@
-"""Code rule: no function in services/ or shared/ is longer than 80 lines (issue 16).
+"""Code rule: no function in pdserve/services/ or pdserve/shared/ is longer than 80 lines (issue 16).
 
 A long function is usually several jobs in one; the limit keeps each one readable at a glance, as
 nano-vllm's. Counted from the ``def`` line to the last line of the body, decorators excluded.
@@ -22,7 +22,7 @@ def _long_functions(folder: str, root: Path = ROOT):
                     yield f"{path.relative_to(root)}:{node.lineno} {node.name} ({length} lines)"
 
 
-@pytest.mark.parametrize("folder", ["services", "shared"])
+@pytest.mark.parametrize("folder", ["pdserve/services", "pdserve/shared"])
 def test_no_function_is_longer_than_80_lines(folder):
     assert list(_long_functions(folder)) == []
 

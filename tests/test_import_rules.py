@@ -1,6 +1,6 @@
 """The import rules of docs/design.md §1, as import-linter contracts (``[tool.importlinter]`` in pyproject.toml):
 the router and the registry never import the engine, the model code, torch or transformers (beyond the
-router's tokenizer); no service imports another service; ``shared/`` imports no service, and ``shared/protocol``
+router's tokenizer); no service imports another service; ``pdserve/shared/`` imports no service, and ``pdserve/shared/protocol``
 nothing of pdserve beyond itself. Plus the runtime fact the first rule is for: starting
 the router's or the registry's app loads no torch."""
 

@@ -1,4 +1,4 @@
-"""Every log line names the request being handled (``shared/logs.py``), across awaits and the tasks it starts,
+"""Every log line names the request being handled (``pdserve/shared/logs.py``), across awaits and the tasks it starts,
 and only while it is handled."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The plumbing of ``pdserve bench chaos``'s fault rows (``loadtest/faults.py``), small: the leak check on a real
+"""The plumbing of ``pdserve bench chaos``'s fault rows (``pdserve/loadtest/faults.py``), small: the leak check on a real
 ensemble, and the cheapest row (item 11, a prompt list under admission limits). The whole table is a benchmark
 (``python -m pdserve.loadtest.chaos``), not CI.
 

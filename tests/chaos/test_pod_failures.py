@@ -78,7 +78,7 @@ def test_decode_worker_killed_mid_generation_continues_on_another(cluster):
     """Greedy and seeded requests, with and without a stop string late in their text: each resumes on the
     surviving pod and the client's text equals the uninterrupted run's (same finish reason, same usage)."""
     # over the whole vocabulary: the exponential race does not flip on fp32 noise from another batch shape or a
-    # prefix-cache hit (shared/engine/sampler.py), while a wrong generator skip after the move changes the text
+    # prefix-cache hit (pdserve/shared/engine/sampler.py), while a wrong generator skip after the move changes the text
     seeded = {"temperature": 0.9, "seed": 11, "ignore_eos": True}
     greedy = {"ignore_eos": True}
     texts = chaos.prompts(4, seed=2)

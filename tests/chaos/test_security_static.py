@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVING = [ROOT / "services", ROOT / "shared"]
+SERVING = [ROOT / "pdserve" / "services", ROOT / "pdserve" / "shared"]
 
 
 def sources():

@@ -1,5 +1,5 @@
 """Settings are written once: every ``pdserve router|prefill|decode|registry|planner`` flag is generated from a field of
-that service's settings (``shared/settings.py``), one flag per field and one field per flag, with the field's
+that service's settings (``pdserve/shared/settings.py``), one flag per field and one field per flag, with the field's
 description as help; ``pdserve up`` forwards the engine settings with the flags of the fields that read them."""
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
         out = up.finish()
         assert out.endswith("pdserve up: all processes stopped") and up.proc.returncode == 0
         # --follow-logs: the registry's own log lines, prefixed
-        assert "[registry] " in out and "pdserve.registry [-]: registry: redis " + redis_server.url in out  # shared/logs.py FORMAT
+        assert "[registry] " in out and "pdserve.registry [-]: registry: redis " + redis_server.url in out  # pdserve/shared/logs.py FORMAT
     finally:
         if up.proc.poll() is None:
             up.proc.kill()

@@ -1,4 +1,4 @@
-"""The decode-graph runner's CPU-checkable part (shared/engine/cuda_graphs.py): bucket choice, padding a decode batch
+"""The decode-graph runner's CPU-checkable part (pdserve/shared/engine/cuda_graphs.py): bucket choice, padding a decode batch
 into the static buffers and slicing the output back, run eagerly in place of capture/replay.
 
 Oracle: the unpadded forward of the same model over an identical copy of the KV cache. The padded path must give the
@@ -8,7 +8,7 @@ largest size, prefill and mixed steps to the eager path. A random 2-layer Llama 
 the CPU kernel, the PyTorch reference and the Triton kernels (interpreted on CPU; compiled where CUDA is present); the
 engine test runs the default model's engine with the runner attached against the same engine without it.
 Where CUDA is present (skipped elsewhere) the same checks run with real capture and replay, and the default model's
-engine with graphs on must give the tokens of the same engine with ``enforce_eager``: ``loadtest/gpu_check.sh`` runs
+engine with graphs on must give the tokens of the same engine with ``enforce_eager``: ``pdserve/loadtest/gpu_check.sh`` runs
 this file first.
 """
 

@@ -12,7 +12,7 @@ Oracles:
 - ``kubernetes-validate`` (strict) for the shape of the rendered policies.
 
 Decided here: a decode pod cannot reach another decode pod's KV port. KV blocks flow only from prefill to decode
-(services/prefill/worker.py is the only KVTransferClient user; a migrated request is prefilled again through the
+(pdserve/services/prefill/worker.py is the only KVTransferClient user; a migrated request is prefilled again through the
 queue), so there is nothing to allow.
 """
 
@@ -189,18 +189,18 @@ KEDA = Endpoint("keda/keda-operator", "keda", {"app": "keda-operator"}, "10.2.0.
 CLIENT = Endpoint("client outside the cluster", None, ip="203.0.113.7")
 
 # Who dials what, as the code does it:
-#   router   -> registry  PDSERVE_REGISTRY_URL                 services/router/app.py (RegistryClient)
-#   prefill  -> registry  PDSERVE_REGISTRY_URL                 shared/worker/base.py (heartbeats, KV events)
-#   decode   -> registry  PDSERVE_REGISTRY_URL                 shared/worker/base.py
+#   router   -> registry  PDSERVE_REGISTRY_URL                 pdserve/services/router/app.py (RegistryClient)
+#   prefill  -> registry  PDSERVE_REGISTRY_URL                 pdserve/shared/worker/base.py (heartbeats, KV events)
+#   decode   -> registry  PDSERVE_REGISTRY_URL                 pdserve/shared/worker/base.py
 #   router, prefill, decode, registry, planner -> Redis  PDSERVE_REDIS_URL  (router/app.py, worker/base.py,
 #                                                         registry/app.py, planner/main.py)
-#   prefill  -> decode pod IP : its PDSERVE_KV_PORT          services/prefill/worker.py (KVTransferClient)
-#   router   -> decode pod IP : its PDSERVE_PORT /health     services/router/migration.py (pod_alive)
-#   planner  -> router/prefill/decode pod IPs : PDSERVE_*_METRICS_PORT /metrics   services/planner/planner.py
+#   prefill  -> decode pod IP : its PDSERVE_KV_PORT          pdserve/services/prefill/worker.py (KVTransferClient)
+#   router   -> decode pod IP : its PDSERVE_PORT /health     pdserve/services/router/migration.py (pod_alive)
+#   planner  -> router/prefill/decode pod IPs : PDSERVE_*_METRICS_PORT /metrics   pdserve/services/planner/planner.py
 #   loadtest -> --base-url (router Service)                  the Job's `pdserve bench serve`
 #   Prometheus -> each Service the ServiceMonitor selects, its endpoint port
 #   KEDA operator -> the redis-streams trigger's address
-#   <tier>-worker -> its leader : PDSERVE_MASTER_PORT  shared/engine/tp_executor.py (the ranks' TCPStore rendezvous)
+#   <tier>-worker -> its leader : PDSERVE_MASTER_PORT  pdserve/shared/engine/tp_executor.py (the ranks' TCPStore rendezvous)
 #   <tier>-worker <-> its leader, <-> other workers (more than 2 nodes): the collectives (gloo/NCCL pairs), on
 #                                 ports from EPHEMERAL
 # The registry dials only Redis; no pdserve process calls the planner, a prefill pod's HTTP port, or a decode

@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (``kernels/paged_attention_cpu.c``) equals the reference on mixed steps."""
+"""The CPU paged-attention kernel (``pdserve/kernels/paged_attention_cpu.c``) equals the reference on mixed steps."""
 
 from __future__ import annotations
 

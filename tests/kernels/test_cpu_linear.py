@@ -1,4 +1,4 @@
-"""The skinny CPU linear (``kernels/cpu_linear.py``) against a float64 ``F.linear``, and its promise: a row's
+"""The skinny CPU linear (``pdserve/kernels/cpu_linear.py``) against a float64 ``F.linear``, and its promise: a row's
 result is bit-identical whether it is multiplied alone (a decode step) or among up to ``MAX_ROWS`` rows (a
 speculative verify step), at any place in the batch and on any number of threads."""
 

@@ -1,4 +1,4 @@
-"""The GPU check (loadtest/gpu_check.sh) and ``bench throughput --device cuda`` on a machine without a usable GPU: both
+"""The GPU check (pdserve/loadtest/gpu_check.sh) and ``bench throughput --device cuda`` on a machine without a usable GPU: both
 stop at once with a message that says so, instead of hanging or measuring the CPU under a GPU's name."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-SCRIPT = Path(__file__).resolve().parents[2] / "loadtest" / "gpu_check.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "pdserve" / "loadtest" / "gpu_check.sh"
 
 
 @pytest.mark.slow  # starts bash and a Python that imports torch: about 3 s

@@ -1,5 +1,5 @@
 """``pdserve bench router-start``'s pure parts: ``--tree`` parsing, and the /proc/PID/maps reading that says whether a
-process loaded torch (the figures themselves are in loadtest/README.md "Router start"; a run starts routers, which the
+process loaded torch (the figures themselves are in pdserve/loadtest/README.md "Router start"; a run starts routers, which the
 fast tier does not)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The registry's bearer token, end to end: real ``pdserve registry`` processes on a real redis-server.
 
-Oracles: the registry's error body shape (``services/registry/errors.py`` ``error_body``), RFC 6750's
+Oracles: the registry's error body shape (``pdserve/services/registry/errors.py`` ``error_body``), RFC 6750's
 ``WWW-Authenticate: Bearer``, and the registry's own state read back with the token (a refused call must
-change nothing). The worker side is the ``RegistryClient`` that ``shared/worker/base.py`` builds.
+change nothing). The worker side is the ``RegistryClient`` that ``pdserve/shared/worker/base.py`` builds.
 """
 
 from __future__ import annotations

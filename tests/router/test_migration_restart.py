@@ -78,7 +78,7 @@ def test_an_unlisted_pod_answering_health_is_alive_only_in_the_same_incarnation(
 
 def test_the_health_probe_goes_through_the_routers_shared_client(redis_url, registry_url, redis_client):
     """A probe made per check costs a client (CA bundle loaded: ~58 ms of CPU) on the router's event loop; the
-    router hands its one client to every Migrator (services/router/pod_probe.py)."""
+    router hands its one client to every Migrator (pdserve/services/router/pod_probe.py)."""
     server = health_server(100.0)
     sent: list[str] = []
     try:

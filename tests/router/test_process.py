@@ -78,7 +78,7 @@ def torch_files_mapped(pid: int) -> list[str]:
 
 
 def check_served_without_torch(url: str, proc: subprocess.Popen, worker) -> None:
-    """The router's tokenizer is AutoTokenizer's without its torch import (services/router/tokenizer_loader.py):
+    """The router's tokenizer is AutoTokenizer's without its torch import (pdserve/services/router/tokenizer_loader.py):
     after loading it and serving chats, a completion and /tokenize, the process has mapped no torch file, and the
     token ids it answered and sent on equal the engine's tokenizer's (AutoTokenizer, loaded here). Part of the test
     above, whose router it reuses (a router start costs CI ~5 s)."""

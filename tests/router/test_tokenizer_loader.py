@@ -1,4 +1,4 @@
-"""The router's tokenizer (services/router/tokenizer_loader.py) against the engine's: ``AutoTokenizer`` is the oracle.
+"""The router's tokenizer (pdserve/services/router/tokenizer_loader.py) against the engine's: ``AutoTokenizer`` is the oracle.
 
 The router loads ``TokenizersBackend`` itself where ``AutoTokenizer`` would build that class anyway (transformers 5
 imports torch for AutoTokenizer's config lookup). Here every output the router takes from its tokenizer (prompt ids

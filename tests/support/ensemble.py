@@ -102,7 +102,7 @@ class Ensemble:
 
 def stream_completion(ensemble: Ensemble, body: dict, on_text=None, timeout_s: float = 300) -> tuple[str, str | None]:
     """Stream ``POST /v1/completions`` through the ensemble's router, read with the strict SSE rule
-    (``loadtest/sse.py``); returns the text and the last finish reason. ``on_text(text so far)`` runs after every
+    (``pdserve/loadtest/sse.py``); returns the text and the last finish reason. ``on_text(text so far)`` runs after every
     chunk that carried text (a test kills a process mid-stream there). An error chunk fails the test."""
     from pdserve.loadtest.sse import read_chunks
 

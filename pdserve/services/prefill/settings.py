@@ -1,0 +1,50 @@
+"""The prefill worker's settings: the engine workers' (``WorkerSettings``) and its queue and KV hand-over."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from pdserve.shared.worker.settings import WorkerSettings
+
+
+class PrefillSettings(WorkerSettings):
+    port: int = Field(8002, ge=0, le=65535, description="HTTP port for /health and /metrics.")
+    # queue entries a worker holds at once (prefilling or transferring)
+    max_inflight: int = Field(64, description="Queue entries held at once.")
+    # an entry idle this long in another consumer's pending list is taken over (that consumer died)
+    claim_idle_s: float = Field(60.0, description="Take over entries idle this long (s).")
+    # A decode pod with no free KV blocks: the finished prefill waits here (its KV exported, this pod's own blocks
+    # freed) in a first-come-first-served line per decode pod until blocks free up -- as vLLM's waiting queue, with
+    # no time limit -- or the request's own deadline passes, or (when set) this long has passed; then 503. The client
+    # going away ends the wait at once (abort). Keep-alive events (pdserve/shared/worker/keepalive.py) keep the request alive
+    # toward the router meanwhile.
+    kv_wait_timeout_s: float = Field(0.0, ge=0, description=(
+        "Seconds a finished prefill may wait for a full decode pod's KV blocks before 503 (0 = no limit: it waits, "
+        "as in vLLM's queue, until blocks free up or the client leaves)."))
+    # The longest a decode pod may take to accept and answer the KV-transfer handshake; past it the pod counts as
+    # unreachable. A frame unanswered this long fails too, but only once the pod's registry heartbeat has stopped: a
+    # live pod busy with long steps is waited for (s).
+    kv_transfer_timeout_s: float = Field(20.0, description=(
+        "Seconds a decode pod may take to answer the KV handshake, or a frame once its registry heartbeat stopped."))
+    # How long routers avoid a decode pod whose KV transfer timed out or broke (unless a transfer to it succeeds
+    # again first) (s).
+    kv_unreachable_cooldown_s: float = Field(30.0, description=(
+        "Seconds routers avoid a decode pod whose KV transfer timed out or broke."))
+    # Prefilled KV held here while waiting for decode pods, in bytes: past it no new queue entry is taken (0 = no
+    # cap beyond max_inflight).
+    max_waiting_kv_bytes: int = Field(4 << 30, description=(
+        "Prefilled KV held for decode pods, in bytes, before no new prompt is taken (0 = no cap)."))
+    # The token budget per step (prefill chunk), vLLM's name and its CPU `vllm serve` default (2048 per rank); the
+    # chart's engine.maxNumBatchedTokens sets the same. A burst of the benchmarks' prompts (16-256 tokens, 136 on
+    # average) runs 17 at a time in 3 steps instead of 6 in 9 at 512, for the same prompt tokens per CPU-second
+    # (`pdserve bench prefill-budget`, pdserve/loadtest/README.md): prefill-only steps interleave no decodes, so a larger chunk
+    # costs no ITL; what it costs is the wait of an abort, a stats call or a new request (one chunk, about 11 CPU-s
+    # of the default model in bf16 at 1 thread on a 2-core AVX2 host) and the burst's TTFT p50.
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (the prefill chunk).")
+
+    def engine_config(self):
+        # A prefill pod runs prefill steps only (every request parks after its first token), so decode-batch CUDA
+        # graphs would cost start-up time and GPU memory for nothing: always eager here.
+        config = super().engine_config()
+        config.enforce_eager = True
+        return config
