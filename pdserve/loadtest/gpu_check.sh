@@ -19,7 +19,8 @@
 # some). GPU_CHECK_DEVICE=cpu rehearses the script's own plumbing on a machine
 # without a GPU (kernels in Triton's interpreter at small sizes, the engines on CPU): its figures mean nothing.
 set -uo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)  # the package pdserve/ of this checkout
+CHECKOUT=$(dirname "$REPO")  # the repository root (tests/)
 PP=$(mktemp -d -t pdserve-pp.XXXXXX)
 ln -s "$REPO" "$PP/pdserve"
 export PYTHONPATH="$PP${PYTHONPATH:+:$PYTHONPATH}"
@@ -103,7 +104,7 @@ mkdir -p "$OUT"
 echo "results and logs: $OUT"
 
 # 0. CUDA graphs give the eager tokens (needs the test dependencies: pip install -e ".[test]" or the like)
-step graphs 80 "$PY" -m pytest -q -p no:cacheprovider -rs "$REPO/tests/engine/test_cuda_graphs.py"
+step graphs 80 "$PY" -m pytest -q -p no:cacheprovider -rs "$CHECKOUT/tests/engine/test_cuda_graphs.py"
 
 # 1. kernels: correctness, bandwidth vs the data sheet and a measured copy (no engine run: step 2 is that)
 if [ "$DEVICE" = cpu ]; then
