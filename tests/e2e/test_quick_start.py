@@ -25,11 +25,11 @@ from support.redis_server import free_port
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+README_MD = (ROOT / "README.md").read_text()
 
 
 def _quick_start_blocks() -> list[str]:
-    section = README[README.index("## Quick start"):]
+    section = README_MD[README_MD.index("## Quick start"):]
     section = section[:section.index("\n## ", 1)]
     return re.findall(r"```bash\n(.*?)```", section, re.S)
 
@@ -75,7 +75,7 @@ def test_the_quick_start_from_the_repository_root(tmp_path):
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
     finally:
         if up.poll() is None:
-            up.send_signal(signal.SIGINT)  # Ctrl-C, as the README says
+            up.send_signal(signal.SIGINT)  # Ctrl-C, as README.md says
             try:
                 up.wait(60)
             except subprocess.TimeoutExpired:
