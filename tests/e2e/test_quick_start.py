@@ -1,6 +1,6 @@
 """README.md's quick start, as a newcomer runs it: ``pdserve up`` from the repository's root, then its ``curl``.
 
-The commands are read from README.md itself, so the test follows the README when it changes. One deviation: the
+The commands are read from README.md itself, so the test follows README.md when it changes. One deviation: the
 router gets a free port (``--port``) instead of 8000, and the curl line is pointed at it, so that CI never fails
 on a port another process holds. The oracle is the answer README.md prints beside the curl line.
 """
