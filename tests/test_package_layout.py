@@ -17,6 +17,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # fresh interpreters (CI's pinned run also runs this file: .ci/run)
+
 ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("kernels", "shared", "services", "loadtest")
 
