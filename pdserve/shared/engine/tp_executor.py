@@ -221,7 +221,8 @@ class TPWorkers:
         # (one node): the kernel picks a free one as it binds, a fresh one at every start, so no race with another
         # process and no clash with an old rank of a restarted pod that still holds its predecessor's (fork
         # inherits the listening socket)
-        store = dist.TCPStore("127.0.0.1", config.master_port, size, is_master=True, timeout=collective_timeout(),
+        self.timeout = collective_timeout()
+        store = dist.TCPStore("127.0.0.1", config.master_port, size, is_master=True, timeout=self.timeout,
                               wait_for_workers=False)
         port = store.port
         self._store, self._node_dead = store, None
@@ -290,7 +291,7 @@ class TPWorkers:
                 continue
             if state in ("T", "t"):
                 return TPRankDied(f"tensor-parallel rank {rank} of {self.size} (pid {p.pid}) is stopped and did not "
-                                  f"answer within PDSERVE_TP_TIMEOUT_S ({collective_timeout().total_seconds():g} s); "
+                                  f"answer within PDSERVE_TP_TIMEOUT_S ({self.timeout.total_seconds():g} s); "
                                   f"the engine cannot continue without it")
         return None
 
