@@ -428,6 +428,9 @@ class Ensemble:
         now = time.monotonic()
         due = self._restart_at.get(child.name)
         if due is None:
+            # the rest of its tree goes too: a helper it forked (a tensor-parallel rank) that hangs or is stopped
+            # outlives it, holding the sockets it inherited, and its successor could not bind the same ports
+            child.signal_group(signal.SIGKILL)
             if now - self._started.get(child.name, 0.0) > RESTART_RESET_S:
                 self._restarts[child.name] = 0
             count = self._restarts[child.name] = self._restarts.get(child.name, 0) + 1

@@ -187,6 +187,57 @@ def test_a_child_failing_at_startup_is_reported_with_its_log_and_everything_stop
     assert leftovers == []
 
 
+# A worker that binds its port, forks a helper (as a tensor-parallel rank is forked) that stops (SIGSTOP) while it
+# holds the inherited socket, and exits 3 (as a pod whose rank died does).
+STOPPED_HELPER = """
+import os, signal, socket, sys
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+helper = os.fork()
+if helper == 0:
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(0)
+with open(sys.argv[2], "a") as f:
+    f.write(f"{helper}\\n")
+os._exit(3)
+"""
+
+
+def _stopped_or_gone(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+@pytest.mark.slow
+def test_a_restart_is_not_blocked_by_a_stopped_helper_of_the_old_process(tmp_path):
+    """Issue 24: a stopped tensor-parallel rank outlived its pod holding the pod's ports, and every restart failed
+    with ``address already in use``: the restart kills what is left of the old process group first."""
+    port, helpers = free_port(), tmp_path / "helpers"
+    child = Child("decode-0", [sys.executable, "-c", STOPPED_HELPER, str(port), str(helpers)], dict(os.environ),
+                  tmp_path / "log")
+    ensemble = Ensemble([child], echo=lambda *a, **k: None)
+    child.start()
+    try:
+        assert child.proc.wait(30) == 3
+        (first,) = map(int, helpers.read_text().split())
+        assert _stopped_or_gone(first) == psutil.STATUS_STOPPED
+        ensemble._restart_later(child, 3)  # due in 1 s
+        time.sleep(1.1)
+        ensemble._restart_later(child, 3)  # starts it again
+        assert child.proc.wait(30) == 3, child.tail()  # it bound the port again (1: address already in use)
+        assert _stopped_or_gone(first) in ("gone", psutil.STATUS_ZOMBIE)
+    finally:
+        child.signal_group(signal.SIGKILL)
+        for pid in map(int, helpers.read_text().split() if helpers.exists() else []):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.mark.slow
 def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
     up = Up("--prefill", "0", "--decode", "0", "--no-router", "--log-dir", str(tmp_path / "logs"), "--follow-logs",

@@ -8,6 +8,7 @@ exact refusal line for a split that cannot work.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -131,3 +132,59 @@ def test_tiny_llama_tp2_and_tp4_logits_equal_tp1(tmp_path, model_dir):
         assert len(logits) == len(want_logits)
         for got, want in zip(logits, want_logits):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# Run in a fresh interpreter: PDSERVE_TP_TIMEOUT_S is the user's knob, read from the environment as a pod reads it.
+IDLE_SCRIPT = r"""
+import json, os, signal, sys, time
+from pdserve import LLM, SamplingParams
+from pdserve.shared.engine.tp_executor import TPRankDied
+
+path, idle_s = sys.argv[1], float(sys.argv[2])
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+prompts = [list(range(100, 131)), list(range(7, 12))]
+out = {"want": [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompts, greedy)]}
+llm = LLM(path, dtype="float32", tensor_parallel_size=3)
+tp = llm.llm_engine.tp
+out["first"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+time.sleep(idle_s)  # no order reaches the ranks meanwhile
+out["alive_after_idle"] = [p.is_alive() for p in tp.procs]
+try:
+    out["after_idle"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+except TPRankDied as e:
+    out["after_idle"] = str(e)
+os.kill(tp.procs[0].pid, signal.SIGSTOP)  # rank 1 hangs: the next step must fail, not wait forever
+t0 = time.monotonic()
+try:
+    llm.generate(prompts[:1], greedy)
+    out["stopped"] = "no error"
+except TPRankDied as e:
+    out["stopped"] = str(e)
+out["stopped_s"] = time.monotonic() - t0
+tp.close()
+out["closed"] = [p.exitcode for p in tp.procs]
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_idle_tp3_engine_serves_after_twice_the_timeout_and_a_stopped_rank_fails_the_step(tmp_path, model_dir):
+    # issue 24: the ranks waited for rank 0's next order under PDSERVE_TP_TIMEOUT_S, so an engine idle that long
+    # lost them and the next generate raised TPRankDied. A rank that hangs inside a step must still fail it.
+    import json
+    import subprocess
+    import sys
+
+    timeout_s = 4
+    path = make_tiny_llama(tmp_path / "tiny", model_dir, heads=(6, 3))  # 2 heads and 1 KV head per rank
+    run = subprocess.run([sys.executable, "-c", IDLE_SCRIPT, path, str(2 * timeout_s + 1)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PDSERVE_TP_TIMEOUT_S": str(timeout_s)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.rpartition("RESULT ")[2])
+    assert out["first"] == out["want"]
+    assert out["alive_after_idle"] == [True, True]
+    assert out["after_idle"] == out["want"]
+    assert re.fullmatch(r"tensor-parallel rank 1 of 3 \(pid \d+\) is stopped and did not answer within "
+                        r"PDSERVE_TP_TIMEOUT_S \(4 s\); the engine cannot continue without it", out["stopped"])
+    assert out["stopped_s"] < timeout_s + 30  # the collective's bound, not a hang
+    assert out["closed"][0] == -signal.SIGKILL  # close() does not leave the stopped rank behind

@@ -88,9 +88,10 @@ class ModelRunner:
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         ids, pos, md, sample_rows, prompt_rows = self.prepare_inputs(out)
-        if self.tp_workers is not None:
+        if self.tp_workers is not None:  # every rank runs the step; one that dies or hangs in it: TPRankDied
             self.tp_workers.step(ids, pos, md)
-        if self.graphs is not None and self.graphs.fits(md):
+            hidden = self.tp_workers.guarded(self.model, ids, pos, self.kv_caches, md)
+        elif self.graphs is not None and self.graphs.fits(md):
             hidden = self.graphs.run(ids, pos, md)
         else:
             hidden = self.model(ids, pos, self.kv_caches, md)

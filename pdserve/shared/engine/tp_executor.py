@@ -10,7 +10,12 @@ tensors and the attention metadata are msgpack extension types -- nothing is unp
 test_security_static.py), not even between a pod's own ranks.
 
 A rank that dies closes its gloo connections: the collective rank 0 is in fails, and ``TPRankDied`` names the
-rank; a watchdog thread also notices a death between steps (``on_death``: the worker pods exit there).
+rank; a watchdog thread also notices a death between steps (``on_death``: the worker pods exit there). Liveness does
+not depend on traffic: ranks 1.. wait for rank 0's next order without a deadline (an idle engine sends none, and
+it may stay idle for days), and know rank 0 is gone when its connections close; rank 0's own collectives keep the
+``PDSERVE_TP_TIMEOUT_S`` bound, so a rank that hangs (SIGSTOP) inside a step still fails that step with
+``TPRankDied``. The rendezvous port is the kernel's choice at every start (``master_port`` 0), so a pod restarted
+while an old rank still lingers never collides with it.
 
 Multi-node (``nnodes`` > 1, vLLM's ``--nnodes``/``--node-rank``/``--master-addr``/``--master-port``): node K runs
 ranks ``K * per_node .. K * per_node + per_node - 1`` (``per_node = tensor_parallel_size // nnodes``). Node 0 is the
@@ -28,7 +33,6 @@ import datetime
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 import time
 import weakref
@@ -42,8 +46,8 @@ from pdserve.shared.models.tensor_parallel import TPShard, check_tp_split, owner
 
 logger = logging.getLogger(__name__)
 
-# Backstop for a collective that never completes (a peer hung, not dead): rank 0 gives up after this.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PDSERVE_TP_TIMEOUT_S", "300")))
+# "No deadline" for a rank waiting on rank 0 (gloo takes a per-operation timeout; ten years fits its clock)
+IDLE_WAIT = datetime.timedelta(days=3650)
 HEARTBEAT_S = 0.5  # a remote node's heartbeat period
 # a remote node whose heartbeat stands still this long is dead: 10 periods, well above a scheduling hiccup
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("PDSERVE_TP_HEARTBEAT_TIMEOUT_S", "5"))
@@ -70,15 +74,15 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def collective_timeout() -> datetime.timedelta:
+    """``PDSERVE_TP_TIMEOUT_S`` (default 300 s), read at each engine start: the backstop for a collective that
+    never completes (a peer hung, not dead) and for the rendezvous. Never applied to a rank's wait for orders."""
+    return datetime.timedelta(seconds=float(os.environ.get("PDSERVE_TP_TIMEOUT_S", "300")))
 
 
 def _groups(store, rank: int, size: int, device: str):
     """``(control, compute)`` process groups: gloo for the orders, gloo or NCCL (on CUDA) for the all-reduces."""
-    ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), rank, size, COLLECTIVE_TIMEOUT)
+    ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), rank, size, collective_timeout())
     if not device.startswith("cuda"):
         return ctrl, ctrl
     return ctrl, dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
@@ -129,8 +133,12 @@ def _send(ctrl, message) -> None:
 
 
 def _recv(ctrl):
+    """The next order from rank 0, waited for without a deadline: rank 0 sends none while idle, and its death
+    closes the connection (a ``RuntimeError`` here). The order's body follows at once, under the group's timeout."""
     size = torch.zeros(1, dtype=torch.long)
-    ctrl.broadcast([size], dist.BroadcastOptions()).wait()
+    idle = dist.BroadcastOptions()
+    idle.timeout = IDLE_WAIT
+    ctrl.broadcast([size], idle).wait()
     data = torch.empty(int(size), dtype=torch.uint8)
     ctrl.broadcast([data], dist.BroadcastOptions()).wait()
     return _unpack(data.numpy().tobytes())
@@ -173,13 +181,15 @@ def _rank_main(rank: int, size: int, addr: str, port: int, config, model_dir, mo
                max_model_len: int) -> None:
     """Process entry of rank ``rank`` > 0: join the groups, load the shard, then obey rank 0 until ``stop``."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size // config.nnodes)))
-    store = dist.TCPStore(addr, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store = dist.TCPStore(addr, port, size, is_master=False, timeout=collective_timeout())
     ctrl, compute = _groups(store, rank, size, config.device)
     model, kv = _build_rank(config, model_dir, model_config, dtype, TPShard(rank, size, compute), plan, max_model_len)
     caches = [kv.layer(i) for i in range(kv.spec.num_layers)]
     owners = {r: (first, count) for r, first, count in owner_ranks(model_config.num_key_value_heads, size)}
     first_head = TPShard(rank, size).kv_heads(model_config.num_key_value_heads)[0]
-    ctrl.barrier().wait()  # ready
+    ready = dist.BarrierOptions()
+    ready.timeout = IDLE_WAIT  # rank 0 may load its shard more slowly than the collective timeout
+    ctrl.barrier(ready).wait()
     with torch.inference_mode():
         while True:
             op, payload = _recv(ctrl)
@@ -207,11 +217,16 @@ class TPWorkers:
     def __init__(self, config, model_dir, model_config, dtype, plan, max_model_len: int) -> None:
         size = config.tensor_parallel_size
         self.size, self.nnodes, per_node = size, config.nnodes, size // config.nnodes
-        port = config.master_port or _free_port()
-        # the server listens on every interface: nodes 1.. connect to master_addr (the leader pod's address)
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+        # the server listens on every interface: nodes 1.. connect to master_addr (the leader pod's address). Port 0
+        # (one node): the kernel picks a free one as it binds, a fresh one at every start, so no race with another
+        # process and no clash with an old rank of a restarted pod that still holds its predecessor's (fork
+        # inherits the listening socket)
+        self.timeout = collective_timeout()
+        store = dist.TCPStore("127.0.0.1", config.master_port, size, is_master=True, timeout=self.timeout,
                               wait_for_workers=False)
+        port = store.port
         self._store, self._node_dead = store, None
+        self.on_death = None  # called with the TPRankDied when a rank exits (watchdog thread) or a step fails on it
         if config.nnodes > 1:
             store.set(SETUP_KEY, _pack({"model": config.model, "dtype": str(dtype).removeprefix("torch."),
                                         "block_size": config.block_size, "device": config.device,
@@ -239,7 +254,6 @@ class TPWorkers:
         self._guard(lambda: self.ctrl.barrier().wait())
         full = KVCacheSpec.from_model_config(model_config, config.block_size, dtype)
         self.kv_cache = TPKVCache(full, kv, self, owner_ranks(full.num_kv_heads, size))
-        self.on_death = None  # called (from the watchdog thread) with the TPRankDied when a rank exits
         threading.Thread(target=self._watch, name="pdserve-tp-watchdog", daemon=True).start()
 
     def _wait_for_nodes(self, config, port: int) -> None:
@@ -266,6 +280,21 @@ class TPWorkers:
         return TPRankDied(f"tensor-parallel rank {rank} of {self.size} (pid {p.pid}) exited with code {p.exitcode}"
                           f"{others}; the engine cannot continue without it")
 
+    def stopped_rank(self) -> TPRankDied | None:
+        """A local rank that is stopped (SIGSTOP, a debugger), as an error; None if none is. Asked after a collective
+        timed out: that rank is the cause, while its peers that timed out waiting for it exit with code 1."""
+        for rank, p in enumerate(self.procs, start=1):
+            try:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    state = f.read().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):  # gone, or no /proc (not Linux)
+                continue
+            if state in ("T", "t"):
+                return TPRankDied(f"tensor-parallel rank {rank} of {self.size} (pid {p.pid}) is stopped and did not "
+                                  f"answer within PDSERVE_TP_TIMEOUT_S ({self.timeout.total_seconds():g} s); "
+                                  f"the engine cannot continue without it")
+        return None
+
     def _check_heartbeats(self, beats: dict[int, tuple[int, float]]) -> None:
         """Record in ``_node_dead`` the first remote node whose heartbeat counter stood still too long."""
         per_node, now = self.size // self.nnodes, time.monotonic()
@@ -282,17 +311,29 @@ class TPWorkers:
                 return
 
     def _guard(self, fn, *args):
-        """Run a collective; a failure caused by a dead rank becomes ``TPRankDied`` naming it."""
+        """Run a collective; a failure caused by a dead or a stopped rank becomes ``TPRankDied`` naming it, one that
+        timed out otherwise (``PDSERVE_TP_TIMEOUT_S``: a rank hangs) ``TPRankDied`` quoting gloo. ``on_death`` hears
+        of it too: the engine cannot step again, and a worker pod exits rather than serve 503s with a dead engine
+        thread."""
         try:
             return fn(*args)
         except RuntimeError as e:
-            for _ in range(20):  # the peer's exit may be a moment behind the closed connection
-                dead = self.dead_rank()
-                if dead is not None:
-                    raise dead from e
+            error = self.stopped_rank()
+            for _ in range(0 if error else 20):  # the peer's exit may be a moment behind the closed connection
+                error = self.dead_rank()
+                if error is not None:
+                    break
                 self._closed.wait(0.1)
-            raise TPRankDied(f"tensor-parallel collective failed (a rank or its network is gone): "
-                             f"{_first_line(e)}") from e
+            error = error or TPRankDied(f"tensor-parallel collective failed (a rank hangs, or it or its network is "
+                                        f"gone): {_first_line(e)}")
+            if self.on_death is not None:
+                self.on_death(error)
+            raise error from e
+
+    def guarded(self, fn, *args):
+        """``fn(*args)`` for rank 0's part of a step (its forward pass meets the other ranks in all-reduces): a rank
+        that dies or hangs in it raises ``TPRankDied``, as in ``send``."""
+        return self._guard(fn, *args)
 
     def _watch(self) -> None:
         beats: dict[int, tuple[int, float]] = {}
@@ -301,6 +342,7 @@ class TPWorkers:
                 self._check_heartbeats(beats)
             dead = self.dead_rank()
             if dead is not None:
+                dead = self.stopped_rank() or dead  # the peers of a stopped rank time out and exit: name the cause
                 logger.error("%s", dead)
                 if self.on_death is not None:
                     self.on_death(dead)
