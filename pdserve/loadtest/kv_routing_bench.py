@@ -104,8 +104,9 @@ def counters(router_url: str, registry_url: str, registry_token: str) -> dict:
                                     "hits": s.get("prefix_cache_hits", 0),
                                     "bytes": s.get("kv_bytes_received", 0), "blocks": s.get("kv_blocks_received", 0)}
     text = httpx.get(f"{router_url}/metrics", timeout=10).text
-    out["decisions"] = {m.group(1): float(m.group(2)) for m in
-                        re.finditer(r'^pdserve:pd_decisions_total\{[^}]*decision="(\w+)"[^}]*\} (\S+)$', text, re.M)}
+    out["decisions"] = {}
+    for m in re.finditer(r'^pdserve:pd_decisions_total\{[^}]*decision="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        out["decisions"][m.group(1)] = out["decisions"].get(m.group(1), 0.0) + float(m.group(2))  # summed over reasons
     out["routed"] = {m.group(1): float(m.group(2)) for m in
                      re.finditer(r'^pdserve:routing_decisions_total\{[^}]*pod="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
     return out

@@ -185,7 +185,9 @@ class UpOptions:
 FORWARDED = [(WorkerSettings, "dtype"), (WorkerSettings, "max_model_len"), (WorkerSettings, "max_num_seqs"),
              (WorkerSettings, "max_num_batched_tokens"), (WorkerSettings, "kv_cache_memory"),
              (WorkerSettings, "block_size"), (WorkerSettings, "enable_prefix_caching"),
-             (RouterSettings, "local_prefill_threshold"), (WorkerSettings, "speculative_config"),
+             (RouterSettings, "local_prefill_threshold"), (RouterSettings, "pd_policy"),
+             (RouterSettings, "ttft_slo_ms"), (RouterSettings, "tpot_slo_ms"), (RouterSettings, "prefill_tokens_per_s"),
+             (WorkerSettings, "speculative_config"),
              (WorkerSettings, "device"), (WorkerSettings, "enforce_eager"),
              (WorkerSettings, "max_cudagraph_capture_size")]
 ENGINE_FLAGS = {name: env_names(name, cls.model_fields[name])[0] for cls, name in FORWARDED}

@@ -71,6 +71,9 @@ def test_router_gets_keys_model_name_and_routing(gpu_docs, monkeypatch):
     assert s.api_keys == ["sk-1", "sk-2"]
     assert s.served_name == "llama-3.1-8b-instruct"
     assert (s.port, s.local_prefill_threshold, s.max_model_len) == (8000, 128, 8192)
+    # the prefill policy's inputs: the chart's routing values, and the decode pods' own step budget
+    assert (s.pd_policy, s.ttft_slo_ms, s.tpot_slo_ms, s.prefill_tokens_per_s, s.max_num_batched_tokens) == (
+        "queue-aware", 2000, 100, 1000, 8192)
     assert s.registry_url == f"http://{FULL}-registry:8001"
 
 

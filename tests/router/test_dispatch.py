@@ -79,9 +79,23 @@ def test_short_prompts_prefill_locally_long_ones_remotely(threshold_router, work
     assert httpx.post(threshold_router.url + "/v1/completions", json=completion, timeout=30).status_code == 200
     assert [r.stream for r in worker.received] == [keys.decode_stream("decode-0"), keys.PREFILL_STREAM]
     text = httpx.get(threshold_router.url + "/metrics", timeout=10).text
-    decisions = dict(re.findall(r'^pdserve:pd_decisions_total\{decision="(\w+)",model_name="[^"]+"\} (\S+)$',
-                                text, re.M))
-    assert decisions == {"local": "1.0", "remote": "1.0"}
+    assert decisions(text) == {("local", "threshold"): "1.0", ("remote", "ttft_slo_met"): "1.0"}
+
+
+def decisions(metrics_text: str) -> dict[tuple[str, str], str]:
+    """``pdserve:pd_decisions_total`` samples: (decision, reason) -> value."""
+    sample = r'^pdserve:pd_decisions_total\{decision="(\w+)",model_name="[^"]+",reason="(\w+)"\} (\S+)$'
+    return {(d, r): v for d, r, v in re.findall(sample, metrics_text, re.M)}
+
+
+def test_a_prompt_behind_a_long_prefill_backlog_prefills_on_the_decode_pod(router, pods, worker):
+    pods.add("prefill-0", role="prefill", queued_prefill_tokens=8192)  # its heartbeat: eight long prompts held
+    completion = {"model": "smollm2-135m-instruct", "prompt": [1] * 200, "max_tokens": 2}
+    assert httpx.post(router.url + "/v1/completions", json=completion, timeout=30).status_code == 200
+    # TTFT ~0.2 s on the idle decode pod against ~8.4 s behind the queue (docs/routing.md, step 6)
+    assert [r.stream for r in worker.received] == [keys.decode_stream("decode-0")]
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    assert decisions(text) == {("local", "lower_ttft"): "1.0"}
 
 
 def test_queues_get_their_consumer_group_before_the_first_entry(router, pods, redis_client):

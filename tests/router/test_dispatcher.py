@@ -10,6 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from pdserve.services.router.dispatch import ChoiceSpec, DispatchConfig, Dispatcher, RoutingConfig
+from pdserve.services.router.pd_policy import PolicyConfig
 from pdserve.services.router.settings import RouterSettings
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import PrefillRequest
@@ -75,9 +76,11 @@ async def test_a_local_prefill_goes_to_the_decode_pods_own_stream_with_its_group
 def test_dispatch_config_from_settings_carries_every_value():
     settings = RouterSettings(model="some-model", registry_cache_s=1.5, local_prefill_threshold=40,
                               local_prefill_fallback_max_tokens=300, retry_after_s=4, routing_mode="round_robin",
-                              routing_load_weight=2.5, routing_temperature=0.5)
+                              routing_load_weight=2.5, routing_temperature=0.5, pd_policy="threshold",
+                              ttft_slo_ms=500, tpot_slo_ms=50, prefill_tokens_per_s=4000, max_num_batched_tokens=512)
     assert DispatchConfig.from_settings(settings) == DispatchConfig(
         model="some-model", cache_s=1.5, local_prefill_threshold=40, fallback_max_tokens=300, retry_after_s=4,
-        routing=RoutingConfig("round_robin", 2.5, 0.5))
+        routing=RoutingConfig("round_robin", 2.5, 0.5), pd_policy="threshold",
+        policy=PolicyConfig(40, 300, 500, 50, 4000, 512))
     # the fallback never sends fewer tokens to a decode pod than the threshold does
     assert Dispatcher(None, Directory(), DispatchConfig(local_prefill_threshold=500)).fallback_max_tokens == 500

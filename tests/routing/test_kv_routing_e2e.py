@@ -69,7 +69,8 @@ def decisions(ensemble) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         if line.startswith("pdserve:pd_decisions_total{"):
-            out[line.split('decision="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+            decision = line.split('decision="')[1].split('"')[0]
+            out[decision] = out.get(decision, 0.0) + float(line.rsplit(" ", 1)[1])  # summed over reasons
     return out
 
 

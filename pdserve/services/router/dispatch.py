@@ -17,6 +17,7 @@ from pdserve.shared.protocol.messages import PrefillRequest
 from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.streams import ensure_group
 
+from .pd_policy import PolicyConfig, make_policy
 from .placement import Placement, Placer, PodLike, RoutingConfig, pick_decode_pod
 from .pod_view import PodDirectory, PodView
 
@@ -31,7 +32,8 @@ class DispatchConfig:
     ``model``: the model named in every request; ``cache_s``: how long a registry answer is reused (s);
     ``local_prefill_threshold`` / ``fallback_max_tokens``: tokens to prefill up to which a decode pod prefills
     itself (always / when no prefill pod is alive; the fallback is never below the threshold);
-    ``retry_after_s``: the Retry-After of a 503; ``routing``: how the decode pod is chosen.
+    ``retry_after_s``: the Retry-After of a 503; ``routing``: how the decode pod is chosen; ``pd_policy`` and
+    ``policy``: the local-or-remote prefill decision by name (``pd_policy.POLICIES``) and its inputs.
     """
 
     model: str = ""
@@ -40,6 +42,8 @@ class DispatchConfig:
     fallback_max_tokens: int = 256
     retry_after_s: int = 1
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    pd_policy: str = "queue-aware"
+    policy: PolicyConfig | None = None  # None: the two thresholds above, default estimates
 
     @classmethod
     def from_settings(cls, settings: Any) -> DispatchConfig:
@@ -48,7 +52,17 @@ class DispatchConfig:
                    fallback_max_tokens=settings.local_prefill_fallback_max_tokens,
                    retry_after_s=settings.retry_after_s,
                    routing=RoutingConfig(settings.routing_mode, settings.routing_load_weight,
-                                         settings.routing_temperature))
+                                         settings.routing_temperature),
+                   pd_policy=settings.pd_policy,
+                   policy=PolicyConfig(settings.local_prefill_threshold, settings.local_prefill_fallback_max_tokens,
+                                       settings.ttft_slo_ms, settings.tpot_slo_ms, settings.prefill_tokens_per_s,
+                                       settings.max_num_batched_tokens))
+
+    def policy_config(self) -> PolicyConfig:
+        """``policy`` with the thresholds of this config (the fallback never below the threshold)."""
+        base = self.policy or PolicyConfig()
+        return PolicyConfig(self.local_prefill_threshold, max(self.fallback_max_tokens, self.local_prefill_threshold),
+                            base.ttft_slo_ms, base.tpot_slo_ms, base.prefill_tokens_per_s, base.step_budget_tokens)
 
 
 @dataclass(slots=True)
@@ -105,7 +119,7 @@ class Dispatcher:
         self.in_flight: Counter[str] = Counter()
         self.view = PodView(redis, directory, config.cache_s, config.retry_after_s)
         self.placer = Placer(self.view, config.routing, config.local_prefill_threshold, config.fallback_max_tokens,
-                             self.in_flight, metrics, rng)
+                             self.in_flight, metrics, rng, make_policy(config.pd_policy, config.policy_config()))
         self._groups: set[str] = set()
 
     @property

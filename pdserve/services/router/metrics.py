@@ -57,8 +57,9 @@ class RouterMetrics:
                                m + ["finished_reason"], registry=r)
         self.aborted = Counter("pdserve:requests_aborted", "Requests aborted (client gone, timeout, error)",
                                m + ["reason"], registry=r)
-        self.pd_decisions = Counter("pdserve:pd_decisions", "Prefill placement decisions",
-                                    m + ["decision"], registry=r)
+        # decision: local | remote; reason: the policy's filter or picker that decided (pd_policy.REASONS)
+        self.pd_decisions = Counter("pdserve:pd_decisions", "Prefill placement decisions (choices), by reason",
+                                    m + ["decision", "reason"], registry=r)
         self.migrations = Counter("pdserve:request_migrations", "Choices moved off a dead decode pod",
                                   m + ["reason"], registry=r)
         # KV-aware routing: chosen pods, and the prompt blocks the chosen pod already held (expected hit rate)

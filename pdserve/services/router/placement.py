@@ -7,12 +7,10 @@ Decode pod, by ``routing_mode``:
   least_loaded   fewest requests (counting those this router has in flight to it that its last heartbeat
                  may not show yet), then most free KV blocks;
   round_robin    pods in turn (the benchmark's baseline).
-Prefill: remote, through ``pdserve:prefill``, unless the decode pod is colocated, or what the decode pod would
-still have to prefill (kv: the prompt past its cached prefix; otherwise the whole prompt) is at most
-``local_prefill_threshold`` tokens — then the decode pod prefills it itself (its own stream). With no prefill
-pod alive, only a short prompt (at most ``fallback_max_tokens`` to prefill) goes to the decode pod: a long one
-in a decode pod's batch would stall every request decoding there, so it waits in the prefill queue for a prefill
-pod (the relay's prefill watch fails it with 503 when none comes).
+Prefill: local (the decode pod's own stream) or remote (``pdserve:prefill``), decided by one ``PdPolicy``
+(``pd_policy.py``, ``--pd-policy``) on what the decode pod would still have to prefill (kv: the prompt past its
+cached prefix; otherwise the whole prompt), the pod's last load report and the prefill tier's (live pods and
+the prompt tokens they hold). Both modes ask the same policy.
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ from typing import Any, Protocol, Sequence
 from pdserve.shared.protocol.block_hash import compute_block_hashes
 
 from .kv_routing import Candidate, RoundRobin, choose, pod_load, uncached_tokens
+from .errors import OpenAIError
+from .pd_policy import PdPolicy, PolicyConfig, PrefillCase, PrefillTier, ThresholdPolicy
 from .pod_view import PodView
 
 logger = logging.getLogger(__name__)
@@ -62,24 +62,28 @@ class RoutingConfig:
 class Placement:
     pod: Any
     local_prefill: bool
-    reason: str = ""
+    reason: str = ""  # the policy's detail (for the log)
     num_blocks: int = 0  # the prompt's full blocks (kv mode)
     cached_blocks: int = 0  # how many of them the chosen pod holds (kv mode)
     costs: dict[str, float] = field(default_factory=dict)
+    why: str = ""  # the decision's reason label (``pd_policy.REASONS``)
 
 
 class Placer:
     """Places one prompt: a decode pod by ``routing.mode`` and the prefill path (see the module's docstring).
 
     ``in_flight``: this router's unfinished requests per pod id (shared with the dispatcher, which counts them);
-    ``metrics``: ``observe_routing(mode, pod_id, num_blocks, cached_blocks)`` per placement, or None."""
+    ``metrics``: ``observe_routing(mode, pod_id, num_blocks, cached_blocks)`` per placement, or None;
+    ``policy``: the local-or-remote prefill decision (default: ``ThresholdPolicy`` on the two thresholds)."""
 
     def __init__(self, view: PodView, routing: RoutingConfig, local_prefill_threshold: int, fallback_max_tokens: int,
-                 in_flight: Counter[str], metrics: Any = None, rng: random.Random | None = None) -> None:
+                 in_flight: Counter[str], metrics: Any = None, rng: random.Random | None = None,
+                 policy: PdPolicy | None = None) -> None:
         self.view = view
         self.routing = routing
         self.local_prefill_threshold = local_prefill_threshold
         self.fallback_max_tokens = max(fallback_max_tokens, local_prefill_threshold)
+        self.policy = policy or ThresholdPolicy(PolicyConfig(local_prefill_threshold, self.fallback_max_tokens))
         self.in_flight = in_flight
         self.metrics = metrics
         self.rng = rng or random.Random()
@@ -104,19 +108,19 @@ class Placer:
             pod = self.round_robin.pick(decode)
         else:
             pod = pick_decode_pod(decode, self.in_flight)
-        if getattr(pod, "colocated", False):
-            return Placement(pod, True, "colocated decode pod")
-        if prompt_len <= self.local_prefill_threshold:
-            return Placement(pod, True, f"prompt {prompt_len} <= threshold {self.local_prefill_threshold} tokens")
-        if not await self.view.pods("prefill"):
-            return self._no_prefill_pod(pod, prompt_len)
-        return Placement(pod, False, f"prompt {prompt_len} tokens")
+        return await self._decide(pod, prompt_len)
 
-    def _no_prefill_pod(self, pod: Any, suffix: int, *extra: Any) -> Placement:
-        if suffix <= self.fallback_max_tokens:
-            return Placement(pod, True, "no prefill pod alive", *extra)
-        return Placement(pod, False, f"no prefill pod alive; {suffix} tokens to prefill > "
-                                     f"{self.fallback_max_tokens}: waiting in the prefill queue", *extra)
+    async def _decide(self, pod: Any, tokens: int, num_prefill_pods: int | None = None, *extra: Any) -> Placement:
+        """The policy's decision for ``tokens`` to prefill on ``pod``; ``num_prefill_pods``: a fresher count than
+        the cached prefill pod list (the kv lookup's)."""
+        try:
+            prefill = await self.view.pods("prefill")
+        except OpenAIError:
+            if num_prefill_pods is None:
+                raise
+            prefill = []  # the lookup just answered: its count stands, without the queue's tokens
+        decision = self.policy.decide(PrefillCase(pod, tokens, PrefillTier.of(prefill, num_prefill_pods)))
+        return Placement(pod, decision.local, decision.detail, *extra, why=decision.reason)
 
     async def _place_kv(self, ids: Sequence[int], cache_salt: str | None) -> Placement:
         if self.block_size is None:
@@ -144,21 +148,15 @@ class Placer:
         pod, overlap = best.pod, best.overlap
         costs = {c.pod.pod_id: round(cost, 2) for c, cost in zip(candidates, choice.costs)}
         suffix = uncached_tokens(len(ids), overlap, block_size)
-        if getattr(pod, "colocated", False):
-            local, reason = True, "colocated decode pod"
-        elif reply.num_prefill_pods == 0:
-            return self._no_prefill_pod(pod, suffix, len(hashes), overlap, costs)
-        elif suffix <= self.local_prefill_threshold:
-            local, reason = True, f"uncached suffix {suffix} <= threshold {self.local_prefill_threshold} tokens"
-        else:
-            local, reason = False, f"uncached suffix {suffix} tokens"
-        return Placement(pod, local, reason, len(hashes), overlap, costs)
+        return await self._decide(pod, suffix, reply.num_prefill_pods, len(hashes), overlap, costs)
 
     def _observe(self, placement: Placement) -> None:
         decision = "local" if placement.local_prefill else "remote"
         logger.info("routing (%s): decode pod %s, %d/%d prompt blocks cached there, costs %s -> %s prefill (%s)",
                     self.routing.mode, placement.pod.pod_id, placement.cached_blocks, placement.num_blocks,
                     placement.costs or "-", decision, placement.reason)
+        logger.debug("pd decision (%s policy): %s, reason %s: %s", self.policy.name, decision, placement.why,
+                     placement.reason)
         if self.metrics is not None:
             self.metrics.observe_routing(self.routing.mode, placement.pod.pod_id, placement.num_blocks,
                                          placement.cached_blocks)

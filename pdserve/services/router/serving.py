@@ -220,7 +220,8 @@ class CompletionService:
                                       pod_started_at=getattr(pod, "started_at", None),
                                       queue_stream=sent.stream, queue_entry=entry)
                           for c, entry in zip(sent.requests, sent.entries))
-        self.state.metrics.pd_decisions.labels(self.settings.served_name, "local" if local else "remote").inc(n)
+        self.state.metrics.pd_decisions.labels(self.settings.served_name, "local" if local else "remote",
+                                               sent.placement.why or "default").inc(n)
         logger.info("request %s: %d prompt tokens, n=%d -> decode pod %s (%s prefill)", job.response_id,
                     len(ids), n, pod.pod_id, "local" if local else "remote")
         if logger.isEnabledFor(logging.DEBUG):

@@ -47,6 +47,21 @@ class RouterSettings(ServiceSettings):
     local_prefill_fallback_max_tokens: int = Field(256, ge=0, description=(
         "With no prefill pod alive, only prompts of at most this many tokens go to a decode pod's local prefill; "
         "longer ones wait for a prefill pod."))
+    # The local-or-remote prefill decision above the threshold (pd_policy.py; docs/routing.md "How it works",
+    # step 6): queue-aware (estimated TTFT each way, the TPOT of the decode pod's running requests against the SLO) or
+    # threshold (remote above the threshold).
+    pd_policy: Literal["queue-aware", "threshold"] = Field("queue-aware", description=(
+        "Local-or-remote prefill decision: queue-aware | threshold."))
+    # queue-aware: remote while its estimated TTFT meets this (ms, 0 = none: the lower estimate wins).
+    ttft_slo_ms: float = Field(2000.0, ge=0, description="queue-aware: TTFT SLO (ms, 0 = none).")
+    # queue-aware: no local prefill that would make a step of a busy decode pod longer than this (ms, 0 = none).
+    tpot_slo_ms: float = Field(100.0, ge=0, description="queue-aware: TPOT SLO of running requests (ms, 0 = none).")
+    # queue-aware: prompt tokens one pod prefills per second (an estimate of the hardware; the estimates' unit).
+    prefill_tokens_per_s: float = Field(1000.0, gt=0, description=(
+        "queue-aware: prompt tokens/s one pod prefills (estimate)."))
+    # queue-aware: the decode pods' token budget per step (their own --max-num-batched-tokens; the same variable).
+    max_num_batched_tokens: int = Field(2048, ge=1, description=(
+        "queue-aware: the decode pods' token budget per step (their --max-num-batched-tokens)."))
     # A queued request whose prefill worker has not touched its entry for this long (the worker is stopped or its
     # engine is stuck; a live one touches its entries every second), or whose entry Redis lost, moves to another
     # pod under a new id (counted by max_migrations); one that no prefill pod took for this long while none was

@@ -1,0 +1,173 @@
+"""The local-or-remote prefill decision (``pd_policy.py``; docs/routing.md "How it works", step 6).
+
+Oracle: the estimates written out by hand from the documented formula (r = 1000 tokens/s, B = 2048 tokens per
+step), on constructed pod and queue states; then the one policy behind both placement paths, with a real
+registry (in-process, real redis-server) carrying the prefill pods' ``queued_prefill_tokens``.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from pdserve.services.registry.app import create_app
+from pdserve.services.registry.settings import RegistrySettings
+from pdserve.services.router.dispatch import DispatchConfig, Dispatcher, RoutingConfig
+from pdserve.services.router.pd_policy import (POLICIES, REASONS, PdPolicy, PolicyConfig, PrefillCase, PrefillTier,
+                                               QueueAwarePolicy, ThresholdPolicy, make_policy)
+from pdserve.services.router.settings import RouterSettings
+from pdserve.shared.protocol.registry import PodInfo
+from pdserve.shared.registry_client import RegistryClient
+
+CONFIG = PolicyConfig(local_prefill_threshold=0, fallback_max_tokens=256, ttft_slo_ms=2000, tpot_slo_ms=100,
+                      prefill_tokens_per_s=1000, step_budget_tokens=2048)
+BACKLOG = 8 * 1024  # eight long prompts held by the prefill tier
+
+
+def decode_pod(running: int = 0, waiting: int = 0, colocated: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(pod_id="d0", num_running=running, num_waiting=waiting, colocated=colocated)
+
+
+def decide(tokens: int, pod, pods: int = 1, queued: int = 0, config: PolicyConfig = CONFIG):
+    return QueueAwarePolicy(config).decide(PrefillCase(pod, tokens, PrefillTier(pods, queued)))
+
+
+def test_a_short_prompt_behind_a_long_backlog_prefills_locally():
+    d = decide(64, decode_pod(running=2), queued=BACKLOG)
+    assert (d.local, d.reason) == (True, "lower_ttft")
+    # TTFT_remote = (8192 / 1 + 64) / 1000; TTFT_local = 64 / (1000 * (2048 - 2) / 2048)
+    assert d.estimates == pytest.approx({"remote": 8.256, "local": 64 * 2048 / (1000 * 2046)})
+
+
+def test_the_same_prompt_goes_remote_when_the_backlog_is_shared_by_enough_prefill_pods():
+    # 8192 / 8 + 64 tokens at 1000 tok/s: 1.088 s, within the 2 s TTFT SLO
+    d = decide(64, decode_pod(running=2), pods=8, queued=BACKLOG)
+    assert (d.local, d.reason) == (False, "ttft_slo_met")
+
+
+def test_an_idle_prefill_tier_takes_a_long_prompt():
+    d = decide(1024, decode_pod())
+    assert (d.local, d.reason) == (False, "ttft_slo_met")
+    # without a TTFT SLO the estimates tie (1.024 s each way) and remote wins the tie
+    d = decide(1024, decode_pod(), config=PolicyConfig(ttft_slo_ms=0, tpot_slo_ms=100))
+    assert (d.local, d.reason) == (False, "lower_ttft")
+    assert d.estimates == pytest.approx({"remote": 1.024, "local": 1.024})
+
+
+def test_a_decode_pod_near_its_tpot_slo_gets_no_local_prefill():
+    # a step with the prefill chunk: (90 running + 64) / 1000 tok/s = 154 ms > 100 ms
+    d = decide(64, decode_pod(running=80, waiting=10), queued=BACKLOG)
+    assert (d.local, d.reason) == (False, "tpot_slo")
+    assert "154 ms" in d.detail
+    # no SLO: the same state goes local (the lower TTFT)
+    d = decide(64, decode_pod(running=80, waiting=10), queued=BACKLOG, config=PolicyConfig(tpot_slo_ms=0))
+    assert (d.local, d.reason) == (True, "lower_ttft")
+
+
+def test_without_a_prefill_pod_what_fits_the_fallback_goes_local():
+    d = decide(200, decode_pod(running=90), pods=0)  # busy, but nothing else can prefill it
+    assert (d.local, d.reason, d.detail) == (True, "no_prefill_pod", "no prefill pod alive")
+    d = decide(1024, decode_pod(), pods=0)
+    assert (d.local, d.reason) == (False, "no_prefill_pod")
+
+
+def test_the_threshold_stays_a_floor_and_a_colocated_pod_always_prefills():
+    config = PolicyConfig(local_prefill_threshold=128)
+    busy = decode_pod(running=500)
+    assert (decide(128, busy, config=config).local, decide(128, busy, config=config).reason) == (True, "threshold")
+    assert decide(129, busy, config=config).reason == "tpot_slo"
+    d = decide(4096, decode_pod(running=500, colocated=True))
+    assert (d.local, d.reason) == (True, "colocated")
+
+
+def test_the_threshold_policy_is_the_rule_before_the_queue_aware_one():
+    policy = ThresholdPolicy(PolicyConfig(local_prefill_threshold=40))
+    case = PrefillCase(decode_pod(), 64, PrefillTier(1, BACKLOG))
+    assert (policy.decide(case).local, policy.decide(case).reason) == (False, "default")
+    assert policy.decide(PrefillCase(decode_pod(), 40, PrefillTier(1, BACKLOG))).reason == "threshold"
+
+
+def test_policies_are_chosen_by_name_and_reasons_are_a_fixed_set():
+    assert sorted(POLICIES) == ["queue-aware", "threshold"]
+    assert isinstance(make_policy("threshold", CONFIG), ThresholdPolicy)
+    with pytest.raises(ValueError, match="unknown pd policy 'fastest'; known: queue-aware, threshold"):
+        make_policy("fastest", CONFIG)
+    for policy in POLICIES.values():
+        p = policy(CONFIG)
+        names = [f.name for f in p.filters] + [p.picker.name]
+        assert set(names) <= set(REASONS), names
+    assert RouterSettings().pd_policy == "queue-aware"
+
+
+# --- both placement paths ask the one policy, with a real registry ---
+
+BLOCK = 16
+PREFIX = list(range(1000, 1512))  # 32 blocks
+
+
+def pod(pod_id: str, role: str = "decode", **kw) -> PodInfo:
+    base = dict(pod_id=pod_id, role=role, host="127.0.0.1", http_port=8003, kv_port=9000 if role == "decode" else 0,
+                model="m", block_size=BLOCK, total_blocks=1000, free_blocks=1000)
+    return PodInfo(**{**base, **kw})
+
+
+@pytest_asyncio.fixture
+async def registry(redis_url):
+    app = create_app(RegistrySettings(redis_url=redis_url))
+    client = RegistryClient("http://registry", transport=httpx.ASGITransport(app=app))
+    yield client
+    await client.aclose()
+    await app.state.store.redis.aclose()
+
+
+class Recording(PdPolicy):
+    """The queue-aware policy, keeping every case it was asked about."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        inner = QueueAwarePolicy(PolicyConfig())
+        super().__init__(inner.filters, inner.scorers, inner.picker)
+        self.cases: list[PrefillCase] = []
+
+    def decide(self, case):
+        self.cases.append(case)
+        return super().decide(case)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["kv", "least_loaded", "round_robin"])
+async def test_every_routing_mode_asks_the_policy_with_the_prefill_queue_it_reports(registry, mode):
+    await registry.heartbeat(pod("d0", num_running=2))
+    await registry.heartbeat(pod("p0", role="prefill", queued_prefill_tokens=BACKLOG))
+    d = Dispatcher(None, registry, DispatchConfig(cache_s=0.0, routing=RoutingConfig(mode)), rng=random.Random(0))
+    d.placer.policy = policy = Recording()
+    short = PREFIX[:64]
+    placed = await d.place(len(short), short)
+    assert (placed.pod.pod_id, placed.local_prefill, placed.why) == ("d0", True, "lower_ttft")
+    (case,) = policy.cases
+    assert (case.tokens, case.tier, case.pod.num_running) == (64, PrefillTier(1, BACKLOG), 2)
+    # the backlog drains and the decode pod is idle: the long prompt goes to the idle tier
+    await registry.heartbeat(pod("d0"))
+    await registry.heartbeat(pod("p0", role="prefill", queued_prefill_tokens=0))
+    placed = await d.place(len(PREFIX), PREFIX)
+    assert (placed.local_prefill, placed.why) == (False, "ttft_slo_met")
+
+
+@pytest.mark.asyncio
+async def test_the_dispatcher_builds_the_policy_the_settings_name(registry):
+    settings = RouterSettings(pd_policy="threshold", local_prefill_threshold=40, ttft_slo_ms=500, tpot_slo_ms=50,
+                              prefill_tokens_per_s=4000, max_num_batched_tokens=512)
+    config = DispatchConfig.from_settings(settings)
+    assert config.policy_config() == PolicyConfig(40, 256, 500, 50, 4000, 512)
+    d = Dispatcher(None, registry, config)
+    assert isinstance(d.placer.policy, ThresholdPolicy)
+    await registry.heartbeat(pod("d0"))
+    await registry.heartbeat(pod("p0", role="prefill", queued_prefill_tokens=BACKLOG))
+    placed = await d.place(64, PREFIX[:64])
+    assert (placed.local_prefill, placed.why) == (False, "default")  # threshold: the backlog does not count
+    assert isinstance(Dispatcher(None, registry, DispatchConfig()).placer.policy, QueueAwarePolicy)
