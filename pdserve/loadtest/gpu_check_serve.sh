@@ -19,7 +19,9 @@ while time.time() < deadline:
     except OSError:
         sys.exit("pdserve up exited before it was ready")
     try:
-        if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+        # the router answers /health before the workers are up; `pdserve up: ready` follows every child's /health
+        ready = "pdserve up: ready" in open(os.path.join(os.environ["OUT"], "up.log")).read()
+        if ready and urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
             sys.exit(print(f"pdserve up --colocated --device {device} ready on port {port}"))
     except Exception:
         pass
@@ -35,3 +37,10 @@ fi
     --dataset random --random-input-len 512 --random-output-len 128 --num-prompts "$PROMPTS" \
     --request-rate inf --max-concurrency 64 --ignore-eos --num-warmups 8 --metric-percentiles 50,90,99 \
     --save-result "$OUT/serve.json"
+# bench serve exits 0 when every request failed: the step passes only if all of them completed
+"$PY" - "$OUT/serve.json" <<'CHECK'
+import json, sys
+r = json.load(open(sys.argv[1]))
+completed, failed = r.get("completed", 0), r.get("failed", 0)
+sys.exit(0 if completed > 0 and not failed else f"bench serve: {completed} completed, {failed} failed")
+CHECK
