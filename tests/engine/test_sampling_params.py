@@ -327,3 +327,15 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space():
     p = SamplingParams(bad_words=["foo", " bar baz"])
     p.update_from_tokenizer(_Tokenizer())
     assert p.bad_words_token_ids == [[1], [2], [3, 5], [4, 5]]
+
+
+def test_unset_processor_fields_stay_off_the_wire_for_pods_of_the_previous_version():
+    """A pod of the version before the logits processors refuses unknown keys: a request that does not use them
+    must carry exactly that version's keys."""
+    assert set(SamplingParams(temperature=0.5).to_dict()) == {
+        "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
+        "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "include_stop_str_in_output",
+        "skip_special_tokens", "spaces_between_special_tokens",
+    }
+    assert {"logit_bias", "allowed_token_ids", "bad_words", "bad_words_token_ids"} <= set(EVERY_FIELD.to_dict())

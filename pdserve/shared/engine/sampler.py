@@ -9,7 +9,7 @@ Order of processing, as vLLM v1's ``Sampler``:
    positive logit, multiply a negative one, for every token seen in prompt or output), then frequency
    and presence over output tokens only (OpenAI: ``logit -= f * count + p * (count > 0)``).
 3. Logprobs, when asked, are ``log_softmax`` of these processed logits: after steps 1 and 2, before
-   temperature and truncation. This is vLLM's "processed logprobs" (the model's distribution as the
+   temperature and truncation. This is vLLM's "raw logprobs" (the model's distribution as the
    request shaped it, independent of how it chose to sample).
 4. Greedy rows (temperature < 1e-5): ``argmax``.
 5. Random rows: temperature, then the argmax-invariant processors (``min_p``, vLLM's place for it), then

@@ -9,6 +9,8 @@ Wire rule (Redis entries, the KV hand-over's ``Commit`` frame, resumes): :meth:`
 values are only ``None``, bools, numbers, strings and lists of them, never a map: a map with integer keys
 survives msgpack with ``strict_map_key=False`` but not the frame decoder (``strict_map_key=True``), and JSON
 turns its keys into strings. So ``logit_bias`` travels as ``[[token_id, bias], ...]`` pairs, sorted by id.
+The logits processors' fields are left out while unset, so pods of the version before them (whose
+``from_dict`` refuses unknown keys) keep serving the requests that do not use them during a rolling upgrade.
 """
 
 from __future__ import annotations
@@ -328,11 +330,13 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, by the module's wire rule: ``logit_bias`` as sorted ``[[id, bias], ...]`` pairs, lists
-        copied (JSON- and msgpack-safe, with string keys only)."""
+        copied (JSON- and msgpack-safe, with string keys only); unset logits-processor fields left out."""
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "logit_bias" and value is not None:
+            if f.name in _OMITTED_WHEN_UNSET and not value:
+                continue
+            if f.name == "logit_bias":
                 value = [[token, bias] for token, bias in sorted(value.items())]
             elif f.name == "bad_words_token_ids" and value is not None:
                 value = [list(seq) for seq in value]
@@ -363,3 +367,5 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+# Added after the wire's first version: left out of to_dict while unset (see the module docstring).
+_OMITTED_WHEN_UNSET = frozenset({"logit_bias", "allowed_token_ids", "bad_words", "bad_words_token_ids"})
