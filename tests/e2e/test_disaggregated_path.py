@@ -80,6 +80,46 @@ def test_greedy_through_kv_transfer_equals_offline_engine(ensemble, client, offl
     assert received == sum(-(-n // 16) for n in LENGTHS)
 
 
+def test_logits_processors_through_kv_transfer_equal_offline_engine(client, offline, tokenizer, prompt_of):
+    """The first token is sampled on the prefill pod, the rest on the decode pod: both apply the request's
+    processors (``bad_words`` must see the hand-over's first token as output). Oracles: the offline engine
+    with the same parameters, and each processor's definition."""
+    from pdserve import SamplingParams
+
+    prompt = prompt_of(40, offset=5)
+    plain = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    allowed = sorted(set(prompt))
+    forced = next(t for t in range(300, 400) if t not in plain.token_ids)
+    word = tokenizer.decode(plain.token_ids[1:3]).strip().split()[0]
+    cases = [
+        dict(temperature=0, allowed_token_ids=allowed),
+        dict(temperature=0, logit_bias={forced: 100.0}),
+        dict(temperature=0, bad_words=[word]),
+        dict(temperature=1.0, seed=11, min_p=0.3, logit_bias={plain.token_ids[0]: -100.0}),
+    ]
+    for case in cases:
+        want = offline.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, **case))[0].outputs[0]
+        bias = case.get("logit_bias")
+        extra = {k: v for k, v in case.items() if k in ("allowed_token_ids", "bad_words", "min_p")}
+        got = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=case["temperature"], seed=case.get("seed"),
+            logit_bias={str(k): v for k, v in bias.items()} if bias else None,
+            extra_body={"ignore_eos": True, **extra})
+        assert got.choices[0].text == want.text, case
+        if "allowed_token_ids" in case:
+            assert set(want.token_ids) <= set(allowed)
+        if bias and bias.get(forced):
+            assert want.token_ids == [forced] * 12
+        if "bad_words" in case:
+            banned = SamplingParams(bad_words=[word])
+            banned.update_from_tokenizer(tokenizer)
+            out = want.token_ids
+            assert want.text != plain.text
+            assert not any(out[i:i + len(seq)] == seq for seq in banned.bad_words_token_ids for i in range(len(out)))
+        if "min_p" in case:
+            assert want.token_ids[0] != plain.token_ids[0]
+
+
 def test_client_disconnect_frees_decode_blocks(ensemble):
     decode = ensemble.pods("decode")[0]
     before = ensemble.stats(decode)["kv_blocks_used"]

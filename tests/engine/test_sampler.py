@@ -44,16 +44,17 @@ def seeded(params):
 
 
 def hf_probs(logits_row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """HF generation's warper chain (temperature, top-k, top-p, min-p) then softmax."""
+    """HF's warpers in vLLM v1's order (temperature, min-p, top-k, top-p; HF itself runs min-p last), then
+    softmax."""
     scores = logits_row.unsqueeze(0).clone()
     ids = torch.zeros(1, 1, dtype=torch.long)
     scores = TemperatureLogitsWarper(p.temperature)(ids, scores)
+    if p.min_p > 0.0:
+        scores = MinPLogitsWarper(p.min_p)(ids, scores)
     if p.top_k > 0:
         scores = TopKLogitsWarper(p.top_k)(ids, scores)
     if p.top_p < 1.0:
         scores = TopPLogitsWarper(p.top_p)(ids, scores)
-    if p.min_p > 0.0:
-        scores = MinPLogitsWarper(p.min_p)(ids, scores)
     return torch.softmax(scores, dim=-1).squeeze(0)
 
 

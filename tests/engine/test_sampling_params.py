@@ -2,10 +2,15 @@ from __future__ import annotations
 
 import json
 import math
+import struct
+from dataclasses import fields
 
 import msgpack
 import pytest
 
+from pdserve.services.router.params import RequestPlan
+from pdserve.shared.protocol.messages import PrefillRequest
+from pdserve.shared.transport.frames import Commit, FrameLimits, encode_frame, parse_header
 from pdserve.shared.protocol.sampling_params import (
     SamplingParams,
     SamplingParamsError,
@@ -73,6 +78,35 @@ def test_invalid_value_raises_error_naming_the_parameter(kwargs, param):
     assert isinstance(info.value, ValueError)
     assert str(info.value).startswith(f"{param} must be ")
     assert repr(kwargs[param]) in str(info.value)
+
+
+# The processors' parameters: a map or list may be long, so the message names the offending entry, not all of it.
+INVALID_PROCESSOR_PARAMS = [
+    ({"logit_bias": {5: 100.5}}, "logit_bias"),
+    ({"logit_bias": {5: -101}}, "logit_bias"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"logit_bias": {-1: 1}}, "logit_bias"),
+    ({"logit_bias": {5: "x"}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+    ({"allowed_token_ids": "12"}, "allowed_token_ids"),
+    ({"bad_words": "word"}, "bad_words"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"bad_words": [3]}, "bad_words"),
+    ({"bad_words": ["x"] * 33}, "bad_words"),  # MAX_BAD_WORDS
+    ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), INVALID_PROCESSOR_PARAMS,
+                         ids=[f"{p}={str(k[p])[:30]}" for k, p in INVALID_PROCESSOR_PARAMS])
+def test_invalid_processor_parameter_raises_error_naming_it(kwargs, param):
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert str(info.value).startswith(f"{param} must be ")
 
 
 def test_error_message_format_is_exact():
@@ -157,22 +191,56 @@ def test_all_stop_token_ids_respects_ignore_eos():
     assert SamplingParams(stop_token_ids=[5], ignore_eos=True).all_stop_token_ids({2}) == {5}
 
 
-def test_to_dict_round_trips_through_json_and_msgpack():
-    p = SamplingParams(
-        n=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=123, presence_penalty=0.5,
-        frequency_penalty=-0.25, repetition_penalty=1.1, stop=["\n\n", "END"], stop_token_ids=[7],
-        ignore_eos=True, min_tokens=3, max_tokens=64, logprobs=5, include_stop_str_in_output=True,
-        skip_special_tokens=False, spaces_between_special_tokens=False,
-    )
-    d = p.to_dict()
-    assert SamplingParams.from_dict(json.loads(json.dumps(d))) == p
-    assert SamplingParams.from_dict(msgpack.unpackb(msgpack.packb(d))) == p
-    assert set(d) == {
-        "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
-        "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "include_stop_str_in_output",
-        "skip_special_tokens", "spaces_between_special_tokens",
-    }
+# Every field set to a non-default value, so a field any path drops or mangles shows up.
+EVERY_FIELD = SamplingParams(
+    n=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=123, presence_penalty=0.5,
+    frequency_penalty=-0.25, repetition_penalty=1.1, stop=["\n\n", "END"], stop_token_ids=[7],
+    ignore_eos=True, min_tokens=3, max_tokens=64, logprobs=5, prompt_logprobs=2, include_stop_str_in_output=True,
+    skip_special_tokens=False, spaces_between_special_tokens=False, logit_bias={15: 100, 3: -7.5},
+    allowed_token_ids=[3, 15, 99], bad_words=["foo", "bar baz"], bad_words_token_ids=[[5], [8, 9]],
+)
+
+
+def test_every_field_is_set_by_the_wire_fixture():
+    defaults = SamplingParams()
+    assert [f.name for f in fields(SamplingParams) if getattr(EVERY_FIELD, f.name) == getattr(defaults, f.name)] == []
+
+
+def _through_redis(p: SamplingParams) -> SamplingParams:
+    entry = PrefillRequest("r1", "m", [1, 2], p, "pod", "host", 1, 0.0).encode()
+    return PrefillRequest.decode(entry).sampling_params
+
+
+def _through_commit_frame(p: SamplingParams) -> SamplingParams:
+    frame = Commit("r1", 5, p, [1, 2], 0.0)
+    wire = b"".join(bytes(b) for b in encode_frame(frame))
+    (header_len,) = struct.unpack(">I", wire[:4])
+    parsed, _, _ = parse_header(wire[4:4 + header_len], FrameLimits())
+    return parsed.sampling_params
+
+
+def _through_router_plan(p: SamplingParams) -> SamplingParams:
+    return RequestPlan(prompts=[[1]], sampling=[p.to_dict()], n=1).choice_params(0, 0)
+
+
+@pytest.mark.parametrize("path", [
+    lambda p: SamplingParams.from_dict(json.loads(json.dumps(p.to_dict()))),
+    lambda p: SamplingParams.from_dict(msgpack.unpackb(msgpack.packb(p.to_dict()))),
+    lambda p: SamplingParams.from_dict(msgpack.unpackb(msgpack.packb(p.to_dict()), strict_map_key=True)),
+    _through_redis,
+    _through_commit_frame,
+    _through_router_plan,
+], ids=["json", "msgpack", "msgpack-strict-keys", "redis-entry", "commit-frame", "router-plan"])
+def test_every_field_round_trips_through_every_wire(path):
+    """One wire rule (``to_dict``/``from_dict``) for every path a request's params travel; ``logit_bias`` has
+    integer keys in memory, which the frame decoder's ``strict_map_key`` and JSON would both break as a map."""
+    assert path(EVERY_FIELD) == EVERY_FIELD
+    assert path(SamplingParams()) == SamplingParams()
+
+
+def test_to_dict_has_no_map_values():
+    assert not any(isinstance(v, dict) for v in EVERY_FIELD.to_dict().values())
+    assert EVERY_FIELD.to_dict()["logit_bias"] == [[3, -7.5], [15, 100.0]]
 
 
 def test_from_dict_validates_and_rejects_unknown_keys():
@@ -222,3 +290,52 @@ def test_stop_strings_are_limited_in_number_and_length():
     assert info.value.param == "stop"
     with pytest.raises(SamplingParamsError, match=r"^stop must be at most 32 strings, got 20000$"):
         SamplingParams(stop=["s" * 60] * 20_000)
+
+
+def test_logit_bias_accepts_pairs_and_boundaries():
+    assert SamplingParams(logit_bias=[[4, 100], [2, -100]]).logit_bias == {4: 100.0, 2: -100.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"logit_bias": {50: 1.0}}, "logit_bias"),
+    ({"allowed_token_ids": [1, 50]}, "allowed_token_ids"),
+    ({"bad_words": ["x"], "bad_words_token_ids": [[3, 50]]}, "bad_words"),
+])
+def test_check_vocabulary_names_the_parameter(kwargs, param):
+    SamplingParams(**kwargs).check_vocabulary(51)
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**kwargs).check_vocabulary(50)
+    assert info.value.param == param
+
+
+class _Tokenizer:
+    """A word-level tokenizer: a leading space makes a different token, as in byte-level BPE."""
+
+    VOCAB = {"foo": 1, " foo": 2, "bar": 3, " bar": 4, " baz": 5, "Ġ": 6}
+
+    def encode(self, text, add_special_tokens=False):
+        assert add_special_tokens is False
+        out, words = [], text.split(" ")
+        for i, w in enumerate(words):
+            if w:
+                out.append(self.VOCAB[(" " if i else "") + w])
+        return out
+
+
+def test_bad_words_are_tokenized_with_and_without_a_leading_space():
+    p = SamplingParams(bad_words=["foo", " bar baz"])
+    p.update_from_tokenizer(_Tokenizer())
+    assert p.bad_words_token_ids == [[1], [2], [3, 5], [4, 5]]
+
+
+def test_unset_processor_fields_stay_off_the_wire_for_pods_of_the_previous_version():
+    """A pod of the version before the logits processors refuses unknown keys: a request that does not use them
+    must carry exactly that version's keys."""
+    assert set(SamplingParams(temperature=0.5).to_dict()) == {
+        "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos",
+        "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "include_stop_str_in_output",
+        "skip_special_tokens", "spaces_between_special_tokens",
+    }
+    assert {"logit_bias", "allowed_token_ids", "bad_words", "bad_words_token_ids"} <= set(EVERY_FIELD.to_dict())

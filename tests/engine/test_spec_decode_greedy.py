@@ -112,3 +112,22 @@ def test_seeded_sampling_with_ngram_drafts_is_plain_sampling_and_resumes_exactly
             final = out.outputs[0]
     assert list(final.token_ids) == want
     assert engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_logits_processors_apply_to_verification_as_to_plain_decoding(prompts, plain):
+    """allowed_token_ids, bad_words and logit_bias shape the target's verification distribution: greedy and
+    seeded speculative output equal plain output with the same processors (n-gram drafts that break them are
+    rejected)."""
+    llm_plain, want = plain
+    tokenizer = llm_plain.get_tokenizer()
+    spec = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=MAX_LEN, speculative_config=_ngram(3))
+    prompt, base = prompts[3], want[3]
+    word = tokenizer.decode(base[4:6]).strip().split()[0]
+    processors = dict(allowed_token_ids=sorted(set(prompt)), bad_words=[word], logit_bias={base[8]: -5.0})
+    for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **processors),
+                   SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True, **processors)):
+        a = llm_plain.generate([prompt], params)[0].outputs[0].token_ids
+        assert a != base[:24] and set(a) <= set(prompt)
+        assert spec.generate([prompt], params)[0].outputs[0].token_ids == a, params
+    assert spec.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0

@@ -89,12 +89,18 @@ BAD_400 = {
         {"role": "user", "content": "\ud800"}]}), "messages"),
     "field name with a lone surrogate": (chat(**{"\ud800": 1}), None),
     # Parameters pdserve does not implement are refused, not ignored.
-    "logit_bias": (chat(logit_bias={"100": 5}), "logit_bias"),
+    "logit_bias key not a token id": (chat(logit_bias={"abc": 5}), "logit_bias"),
+    "logit_bias key out of vocabulary": (chat(logit_bias={"49152": 5}), "logit_bias"),
+    "logit_bias above 100": (chat(logit_bias={"5": 100.5}), "logit_bias"),
+    "logit_bias not a number": (chat(logit_bias={"5": "x"}), "logit_bias"),
     "guided_json (vLLM extension)": (chat(guided_json={"type": "object"}), "guided_json"),
     "guided_choice (vLLM extension)": (completion(guided_choice=["yes", "no"]), "guided_choice"),
     "use_beam_search (vLLM extension)": (completion(use_beam_search=True), "use_beam_search"),
-    "allowed_token_ids (vLLM extension)": (chat(allowed_token_ids=[1, 2]), "allowed_token_ids"),
-    "bad_words (vLLM extension)": (completion(bad_words=["x"]), "bad_words"),
+    "allowed_token_ids empty": (chat(allowed_token_ids=[]), "allowed_token_ids"),
+    "allowed_token_ids out of vocabulary": (chat(allowed_token_ids=[1, 49152]), "allowed_token_ids"),
+    "allowed_token_ids negative": (completion(allowed_token_ids=[-1]), "allowed_token_ids"),
+    "bad_words not a list": (completion(bad_words="x"), "bad_words"),
+    "bad_words blank": (completion(bad_words=[" "]), "bad_words"),
     "logit_bias out of vocabulary": (completion(logit_bias={"999999999": 500}), "logit_bias"),
     "logit_bias not an object": (completion(logit_bias=[1]), "logit_bias"),
     "best_of above n": (completion(best_of=2), "best_of"),
@@ -118,10 +124,15 @@ EXACT_MESSAGE = {
                                   "not valid Unicode (UTF-8) text",
     "field name with a lone surrogate": "A field name contains a lone UTF-16 surrogate, which is not valid Unicode "
                                         "(UTF-8) text",
-    "logit_bias": "logit_bias is not supported",
+    "logit_bias key not a token id": "logit_bias keys must be token ids (decimal integers), got 'abc'",
+    "logit_bias key out of vocabulary": "logit_bias must be token ids below the vocabulary size 49152, got 49152",
+    "logit_bias above 100": "logit_bias must be biases in [-100, 100], got 100.5 for token 5",
+    "allowed_token_ids empty": "allowed_token_ids must be a non-empty list of non-negative integers, got []",
+    "allowed_token_ids out of vocabulary": "allowed_token_ids must be token ids below the vocabulary size 49152, "
+                                           "got 49152",
     "guided_json (vLLM extension)": "guided_json is not supported",
     "use_beam_search (vLLM extension)": "use_beam_search is not supported",
-    "logit_bias out of vocabulary": "logit_bias is not supported",
+    "logit_bias out of vocabulary": "logit_bias must be biases in [-100, 100], got 500 for token 999999999",
     "best_of above n": "best_of is not supported (only null, 1 or equal to n)",
     "chat best_of above n": "best_of is not supported (only null, 1 or equal to n)",
     "tools": "tools is not supported (no tool-call parser)",
@@ -341,6 +352,9 @@ def test_request_over_the_concurrency_limit_gets_429_with_retry_after(redis_url,
 NO_OP_VALUES = {
     "logit_bias null": chat(logit_bias=None),
     "logit_bias empty": completion(logit_bias={}),
+    "logit_bias at the bounds": chat(logit_bias={"0": -100, "49151": 100}),
+    "allowed_token_ids": chat(allowed_token_ids=[1, 2]),
+    "bad_words": completion(bad_words=["x", "hello world"]),
     "best_of 1": completion(best_of=1),
     "best_of equal to n": completion(n=2, best_of=2),
     "tools empty": chat(tools=[], tool_choice="none"),
@@ -364,3 +378,18 @@ def test_no_op_values_of_unsupported_parameters_are_accepted(router, worker, cas
     assert params["stop_token_ids"] == body.get("stop_token_ids", [])
     assert params["stop"] == body.get("stop", [])
     assert_next_request_works(router)
+
+
+def test_logits_processor_parameters_reach_the_engine_typed_and_tokenized(router, worker, processor):
+    """OpenAI's string-keyed ``logit_bias`` arrives keyed by token id; ``bad_words`` arrive with their token ids,
+    each word as written and after a space (vLLM's rule), by the model's own tokenizer."""
+    body = {**completion(logit_bias={"5": 100, "7": -3.5}, allowed_token_ids=[5, 7], bad_words=["hello"])[1],
+            "max_tokens": 2}
+    resp = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    params = worker.received[0].request.sampling_params
+    assert params.logit_bias == {5: 100.0, 7: -3.5}
+    assert params.allowed_token_ids == [5, 7]
+    encode = processor.tokenizer.encode
+    assert params.bad_words_token_ids == [encode("hello", add_special_tokens=False),
+                                          encode(" hello", add_special_tokens=False)]

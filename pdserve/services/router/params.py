@@ -70,7 +70,7 @@ class RequestPlan:
 # vLLM's extra request fields that change the output and that pdserve does not implement; the schemas keep
 # unknown fields (OpenAI clients send new ones), so these are named to be refused rather than ignored.
 UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                          "use_beam_search", "allowed_token_ids", "bad_words", "logits_processors")
+                          "use_beam_search", "logits_processors")
 
 
 def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -86,8 +86,6 @@ def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
             raise bad_request(f"{name} is not supported", name)
     # Fields that change the output and that pdserve does not implement are refused unless they hold the no-op
     # default: ignoring them would return something other than what was asked for.
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if req.best_of not in (None, 1, req.n):  # best_of == n returns every sample: plain n
         # vLLM V1 refuses best_of > 1 too ("vLLM V1 does not yet support best_of").
         raise bad_request("best_of is not supported (only null, 1 or equal to n)", "best_of")
@@ -185,9 +183,24 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
     return max_tokens
 
 
+def logit_bias_by_id(bias: dict[str, Any] | None) -> dict[int, Any] | None:
+    """OpenAI's ``logit_bias`` (a JSON object: token ids as string keys) keyed by int; 400 for a key that is
+    not a token id. The values are checked by ``SamplingParams``."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
 def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
-                          defaults: dict[str, Any]) -> dict[str, Any]:
-    """Validated ``SamplingParams.to_dict()`` for one choice (n = 1) of ``req``."""
+                          defaults: dict[str, Any], tokenizer: Any = None, vocab_size: int | None = None
+                          ) -> dict[str, Any]:
+    """Validated ``SamplingParams.to_dict()`` for one choice (n = 1) of ``req``. ``tokenizer`` turns
+    ``bad_words`` into token ids; ``vocab_size`` bounds every token id of the logits processors."""
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
@@ -213,9 +226,17 @@ def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_to
         prompt_logprobs=engine_prompt_logprobs(req),
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias=logit_bias_by_id(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
     )
     try:
-        return SamplingParams.from_dict(values).to_dict()
+        params = SamplingParams.from_dict(values)
+        if tokenizer is not None:
+            params.update_from_tokenizer(tokenizer)
+        if vocab_size is not None:
+            params.check_vocabulary(vocab_size)
+        return params.to_dict()
     except SamplingParamsError as exc:
         param = exc.param
         if param == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens:

@@ -3,7 +3,7 @@
 Types and single-field ranges are checked here by pydantic (FastAPI turns failures into a 400 naming the
 field); rules that involve several fields or the tokenizer live in ``params.py``. Unknown fields are
 accepted and ignored, as vLLM does, so clients that send newer OpenAI fields keep working; known fields that
-would change the output and that pdserve does not implement (``logit_bias``, ``best_of``, ``tools``, ...)
+would change the output and that pdserve does not implement (``best_of``, ``tools``, ...)
 are declared here and refused in ``params.check_cross_field``. Every string must be valid Unicode.
 """
 
@@ -113,8 +113,12 @@ class _SamplingFields(_Body):
     priority: int = 0
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     request_id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)] | None = None
-    # Declared so they are refused (``params.check_cross_field``) rather than ignored: each changes the output.
+    # Logits processors (``params.build_sampling_params`` checks them against the vocabulary). OpenAI's
+    # logit_bias is a JSON object, so its token ids arrive as string keys.
     logit_bias: dict[str, Any] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[StrictStr] | None = None
+    # Declared so it is refused (``params.check_cross_field``) rather than ignored: it changes the output.
     best_of: Annotated[int, Field(ge=1)] | None = None
 
 

@@ -140,7 +140,8 @@ class CompletionService:
         sampling = []
         for ids in prompts:
             effective = check_context(len(ids), max_tokens, limit, prompt_param, max_param)
-            sampling.append(build_sampling_params(req, effective, self.state.defaults))
+            sampling.append(build_sampling_params(req, effective, self.state.defaults,
+                                                  getattr(processor, "tokenizer", None), processor.vocab_size))
         return RequestPlan(prompts=prompts, sampling=sampling, n=req.n)
 
     # ---- submit ------------------------------------------------------------------------------------

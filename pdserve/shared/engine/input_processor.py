@@ -14,7 +14,7 @@ import torch
 
 from pdserve.shared.engine.request import Request
 from pdserve.shared.engine.sampler import advance_generator
-from pdserve.shared.protocol.sampling_params import SamplingParams
+from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 
 class RequestRejected(ValueError):
@@ -51,11 +51,16 @@ class InputProcessor:
 
     def validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
         """Check a prompt; returns the effective ``max_tokens``. Raises ``RequestRejected``: empty prompt,
-        token ids outside the vocabulary, prompt (+ ``max_tokens``) beyond ``max_model_len``."""
+        token ids outside the vocabulary (in the prompt or in the logits processors' parameters), prompt
+        (+ ``max_tokens``) beyond ``max_model_len``."""
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestRejected("The prompt cannot be empty.", "prompt")
         self.check_vocabulary(prompt_token_ids, "prompt")
+        try:
+            params.check_vocabulary(self.vocab_size)
+        except SamplingParamsError as exc:
+            raise RequestRejected(str(exc), exc.param) from exc
         if n >= self.max_model_len:
             raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "

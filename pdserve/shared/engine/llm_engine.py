@@ -102,7 +102,7 @@ class LLMEngine:
         as if the request had never moved. ``output_text_len``: characters of their text the client already has
         (the rest was held back as a possible stop-string prefix and is returned later).
         """
-        params = params or SamplingParams()
+        params = self._with_bad_words_token_ids(params or SamplingParams())
         if self.owns(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         output_token_ids = list(output_token_ids or ())
@@ -117,6 +117,15 @@ class LLMEngine:
         self.output.add_request(request_id, prompt, params, choices, output_text_len)
         for choice in choices:
             self.scheduler.add_request(choice)
+
+    def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``bad_words`` tokenized by this model's tokenizer (the router sends them tokenized;
+        offline callers give words only). A copy, so the caller's object (maybe shared by prompts) stays."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        params = params.clone()
+        params.update_from_tokenizer(self.tokenizer)
+        return params
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and release everything it holds. Returns whether it existed."""
@@ -227,6 +236,7 @@ class LLMEngine:
         cannot serve (the reservation is then released). A resumed request's ``output_token_ids`` must be the
         reservation's last tokens; a seeded generator skips every token sampled elsewhere."""
         output_token_ids = list(output_token_ids or ())
+        params = self._with_bad_words_token_ids(params)
 
         def build(prompt_token_ids: list[int], cache_salt: str | None) -> Request:
             max_tokens = self.input.validate_prompt(prompt_token_ids, params)

@@ -2,22 +2,25 @@
 
 Order of processing, as vLLM v1's ``Sampler``:
 
-1. ``min_tokens``: while a request has fewer than ``min_tokens`` outputs, its EOS ids (unless
-   ``ignore_eos``) and ``stop_token_ids`` get ``-inf``.
+1. Logits processors that can change the argmax (``logits_processors.py``), on rows that use them:
+   ``allowed_token_ids``, ``bad_words``, ``min_tokens`` (while a request has fewer than ``min_tokens``
+   outputs, its EOS ids, unless ``ignore_eos``, and ``stop_token_ids`` get ``-inf``), ``logit_bias``.
 2. Penalties: repetition (HF ``RepetitionPenaltyLogitsProcessor`` / CTRL, arXiv:1909.05858: divide a
    positive logit, multiply a negative one, for every token seen in prompt or output), then frequency
    and presence over output tokens only (OpenAI: ``logit -= f * count + p * (count > 0)``).
-3. Logprobs, when asked, are ``log_softmax`` of these processed logits: after min_tokens and
-   penalties, before temperature and truncation. This is vLLM's "raw logprobs" (the model's
-   distribution as the request shaped it, independent of how it chose to sample).
+3. Logprobs, when asked, are ``log_softmax`` of these processed logits: after steps 1 and 2, before
+   temperature and truncation. This is vLLM's "raw logprobs" (the model's distribution as the
+   request shaped it, independent of how it chose to sample).
 4. Greedy rows (temperature < 1e-5): ``argmax``.
-5. Random rows: temperature, then top-k, top-p, min-p in HF's warper order, then one draw.
+5. Random rows: temperature, then the argmax-invariant processors (``min_p``, vLLM's place for it), then
+   top-k and top-p, then one draw.
 
 Top-k keeps the ``k`` most likely tokens (ties at the k-th value are kept if they fall inside the
 candidate window of ``k + 16``). Top-p keeps the smallest most-likely-first set whose mass reaches
 ``p`` (a token stays if the mass strictly above it is below ``p``: HF's rule, which removes tokens
 whose ascending cumulative mass is ``<= 1 - p``). Min-p keeps tokens with ``prob >= min_p *
-max_prob``; renormalisation does not change that ratio, so it applies on the same candidates.
+max_prob`` before top-k and top-p see them (vLLM's order; HF applies it last, which differs only when top-p
+is set too: there top-p measures its mass over the tokens min-p kept).
 
 Costs on CPU are whole passes over ``[rows, vocab]``, so the sampler makes as few as it can: one
 ``argmax`` for an all-greedy batch; penalties gather and scatter only the seen ids; truncation
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.shared.engine.logits_processors import LogitsProcessor, ProcessorBatch, build_logits_processors
 from pdserve.shared.protocol.sampling_params import SamplingParams
 
 _TOP_K_TIE_SLACK = 16
@@ -93,11 +97,11 @@ class SamplingMetadata:
     temperature: torch.Tensor | None  # [R] float32; None when all are 1.0
     top_k: torch.Tensor | None  # [R] int64, vocab_size where disabled; None when none use it
     top_p: torch.Tensor | None  # [R] float32; None when none use it
-    min_p: torch.Tensor | None  # [R] float32; None when none use it
     generators: list[torch.Generator | None]
-    # min_tokens: (row, token) pairs to mask this step
-    min_tokens_rows: torch.Tensor | None
-    min_tokens_ids: torch.Tensor | None
+    # argmax-invariant processors over the random rows (their row i is random_rows[i]); usually empty
+    random_row_processors: list[LogitsProcessor]
+    # the other processors, over every row, in order; usually empty
+    logits_processors: list[LogitsProcessor]
     # penalties, for every row (neutral values where a row has none). Id lists are padded by
     # repeating the row's first id, so duplicate scatter writes agree; a row without ids uses id 0
     # with a neutral value.
@@ -118,7 +122,7 @@ class SamplingMetadata:
 
     @property
     def no_processing(self) -> bool:
-        return (self.min_tokens_rows is None and self.seen_token_ids is None
+        return (not self.logits_processors and self.seen_token_ids is None
                 and self.output_token_ids is None)
 
     @classmethod
@@ -140,20 +144,21 @@ class SamplingMetadata:
         for rows with a repetition penalty.
         """
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        batch = ProcessorBatch(params, output_token_ids, tuple(eos_token_ids), vocab_size, device)
         return cls(
             num_rows=len(params),
             vocab_size=vocab_size,
-            **_random_row_tensors(params, generators, vocab_size, device),
-            **_min_tokens_mask(params, output_token_ids, tuple(eos_token_ids), vocab_size, device),
+            **_random_row_tensors(batch, generators),
+            logits_processors=build_logits_processors(batch, argmax_invariant=False),
             **_penalty_tensors(params, prompt_token_ids, output_token_ids, device),
             logprob_rows=logprob_rows,
             num_logprobs=[params[i].logprobs for i in logprob_rows],
         )
 
 
-def _random_row_tensors(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                        vocab_size: int, device: torch.device | str) -> dict:
-    """Greedy and random row lists, and the random rows' temperature, truncation and generators."""
+def _random_row_tensors(batch: ProcessorBatch, generators: Sequence[torch.Generator | None]) -> dict:
+    """Greedy and random row lists, and the random rows' temperature, truncation, processors and generators."""
+    params, vocab_size, device = batch.params, batch.vocab_size, batch.device
     greedy = [i for i, p in enumerate(params) if p.temperature < 1e-5]
     random = [i for i, p in enumerate(params) if p.temperature >= 1e-5]
     chosen = [params[i] for i in random]
@@ -164,34 +169,17 @@ def _random_row_tensors(params: Sequence[SamplingParams], generators: Sequence[t
             return None
         return torch.tensor(values, dtype=torch.float32, device=device)
 
+    random_batch = ProcessorBatch(chosen, [batch.output_token_ids[i] for i in random], batch.eos_token_ids,
+                                  vocab_size, device)
     return dict(
         greedy_rows=greedy,
         random_rows=random,
         temperature=floats([p.temperature for p in chosen], 1.0),
         top_k=None if all(k == vocab_size for k in top_ks) else torch.tensor(top_ks, dtype=torch.int64, device=device),
         top_p=floats([p.top_p for p in chosen], 1.0),
-        min_p=floats([p.min_p for p in chosen], 0.0),
+        random_row_processors=build_logits_processors(random_batch, argmax_invariant=True) if chosen else [],
         generators=[generators[i] for i in random],
     )
-
-
-def _min_tokens_mask(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]],
-                     eos: tuple[int, ...], vocab_size: int, device: torch.device | str) -> dict:
-    """``(row, token)`` pairs to mask this step: stop ids of rows still short of ``min_tokens``."""
-    rows: list[int] = []
-    ids: list[int] = []
-    for i, p in enumerate(params):
-        if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
-            stops = set(p.stop_token_ids)
-            if not p.ignore_eos:
-                stops.update(eos)
-            stops = [t for t in stops if t < vocab_size]
-            rows.extend([i] * len(stops))
-            ids.extend(stops)
-    if not rows:
-        return dict(min_tokens_rows=None, min_tokens_ids=None)
-    return dict(min_tokens_rows=torch.tensor(rows, dtype=torch.int64, device=device),
-                min_tokens_ids=torch.tensor(ids, dtype=torch.int64, device=device))
 
 
 def _penalty_tensors(params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
@@ -286,7 +274,7 @@ class Sampler:
         q = self._exponentials(md).to(logits.device)
         logits = _apply_temperature(logits, md)
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        for rows, w, ids in _candidates(logits, md.top_k, md.top_p, md.min_p):
+        for rows, w, ids in _candidates(logits, md.top_k, md.top_p):
             q_rows = q if len(rows) == len(q) else q[rows]
             if ids is None:
                 out[rows] = exponential_race(w, q_rows)
@@ -333,12 +321,13 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """float32 logits after min_tokens masking and penalties (a copy when anything changes)."""
+    """float32 logits after the logits processors that can change the argmax and penalties (a copy when
+    anything changes)."""
     if md.no_processing:
         return logits.float()
     logits = logits.to(torch.float32, copy=True)
-    if md.min_tokens_rows is not None:
-        logits[md.min_tokens_rows, md.min_tokens_ids] = float("-inf")
+    for processor in md.logits_processors:
+        processor.apply(logits)
     apply_penalties(logits, md)
     return logits
 
@@ -361,18 +350,21 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
 
 
 def _apply_temperature(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    return logits if md.temperature is None else logits / md.temperature.unsqueeze(1)
+    """Random rows' logits divided by temperature, then their argmax-invariant processors (min-p)."""
+    logits = logits if md.temperature is None else logits / md.temperature.unsqueeze(1)
+    for processor in md.random_row_processors:
+        logits = processor.apply(logits)
+    return logits
 
 
 def _candidates(
     logits: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Split temperature-scaled ``logits [R, V]`` into groups ``(rows, weights, token_ids)``.
 
-    ``weights`` are the kept probabilities (unnormalised) after top-k, top-p and min-p;
+    ``weights`` are the kept probabilities (unnormalised) after top-k and top-p;
     ``token_ids`` maps their columns to vocabulary ids (``None``: the columns are the vocabulary).
     """
     num_rows, vocab = logits.shape
@@ -388,24 +380,24 @@ def _candidates(
         x = logits if len(rows) == num_rows else logits[rows]
         sub = (lambda t: None if t is None else t[rows])  # noqa: E731
         if kind == "full":
-            yield rows, _keep_min_p(torch.softmax(x, dim=-1), sub(min_p)), None
+            yield rows, torch.softmax(x, dim=-1), None
         elif kind == "top_k":
-            yield rows, *_top_k_candidates(x, sub(top_k), sub(top_p), sub(min_p))
+            yield rows, *_top_k_candidates(x, sub(top_k), sub(top_p))
         else:
-            yield from _top_p_candidates(rows, torch.softmax(x, dim=-1), top_p[rows], sub(min_p))
+            yield from _top_p_candidates(rows, torch.softmax(x, dim=-1), top_p[rows])
 
 
-def _top_k_candidates(logits, top_k, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_k_candidates(logits, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
     k = min(logits.shape[1], int(top_k.max()) + _TOP_K_TIE_SLACK)
     vals, ids = logits.topk(k, dim=-1)
     kth = vals.gather(1, top_k.clamp(max=k).unsqueeze(1) - 1)
     probs = torch.softmax(torch.where(vals >= kth, vals, float("-inf")), dim=-1)
     if top_p is not None:
         probs = _keep_top_p(probs, top_p.unsqueeze(1))[0]
-    return _keep_min_p(probs, min_p, sorted_desc=True), ids
+    return probs, ids
 
 
-def _top_p_candidates(rows, probs, top_p, min_p) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+def _top_p_candidates(rows, probs, top_p) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Top-p without top-k: search each row's most likely 512, 2048, 8192, then all tokens."""
     vocab = probs.shape[1]
     pending = torch.arange(len(rows), device=probs.device)
@@ -414,7 +406,6 @@ def _top_p_candidates(rows, probs, top_p, min_p) -> Iterator[tuple[torch.Tensor,
         source = probs if len(pending) == len(rows) else probs[pending]
         vals, ids = source.topk(window, dim=-1)
         vals, window_mass = _keep_top_p(vals, top_p[pending].unsqueeze(1))
-        vals = _keep_min_p(vals, None if min_p is None else min_p[pending], sorted_desc=True)
         # A row is decided in this window only if the window's mass reached p.
         done = window_mass >= top_p[pending] if window < vocab else torch.ones_like(pending, dtype=torch.bool)
         if bool(done.all()):
@@ -433,22 +424,15 @@ def _keep_top_p(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tens
     return sorted_probs * keep, cum[:, -1]
 
 
-def _keep_min_p(probs: torch.Tensor, min_p: torch.Tensor | None, sorted_desc: bool = False) -> torch.Tensor:
-    if min_p is None:
-        return probs
-    top = probs[:, :1] if sorted_desc else probs.amax(dim=-1, keepdim=True)
-    return probs * (probs >= min_p.unsqueeze(1) * top)
-
-
 def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The distribution each random row is drawn from, ``[len(md.random_rows), V]`` float32.
 
-    ``logits`` are the random rows' processed logits (after min_tokens and penalties). The
+    ``logits`` are the random rows' processed logits (``process_logits``). The
     sampler draws from exactly these weights; tests compare them with HF's warpers.
     """
     logits = _apply_temperature(logits.float(), md)
     out = torch.zeros_like(logits)
-    for rows, w, ids in _candidates(logits, md.top_k, md.top_p, md.min_p):
+    for rows, w, ids in _candidates(logits, md.top_k, md.top_p):
         w = w / w.sum(dim=-1, keepdim=True)
         out[rows] = w if ids is None else torch.zeros_like(out[rows]).scatter_(1, ids, w)
     return out

@@ -4,6 +4,13 @@ Validation follows vLLM (``vllm/sampling_params.py``) with one deliberate differ
 ``-1`` when disabled and ``0`` is rejected. Every error is a :class:`SamplingParamsError` (a
 ``ValueError``) whose ``.param`` names the offending field, so the router can fill the OpenAI error
 body's ``param`` without parsing messages. Messages read ``"<param> must be <rule>, got <value>"``.
+
+Wire rule (Redis entries, the KV hand-over's ``Commit`` frame, resumes): :meth:`SamplingParams.to_dict`, whose
+values are only ``None``, bools, numbers, strings and lists of them, never a map: a map with integer keys
+survives msgpack with ``strict_map_key=False`` but not the frame decoder (``strict_map_key=True``), and JSON
+turns its keys into strings. So ``logit_bias`` travels as ``[[token_id, bias], ...]`` pairs, sorted by id.
+The logits processors' fields are left out while unset, so pods of the version before them (whose
+``from_dict`` refuses unknown keys) keep serving the requests that do not use them during a rolling upgrade.
 """
 
 from __future__ import annotations
@@ -22,6 +29,11 @@ MAX_LOGPROBS = 20
 # these bounds leave room for real use (vLLM sets none).
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
+# bad_words are checked against the output after every token, like stop strings: the same bounds.
+MAX_BAD_WORDS = MAX_STOP_STRINGS
+MAX_BAD_WORD_CHARS = MAX_STOP_STRING_CHARS
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -64,6 +76,13 @@ class SamplingParams:
     plus the ``k`` most likely tokens there (vLLM's; the first position has none, and such a request reads no
     prefix-cache hit, so every position is computed). ``stop`` and ``stop_token_ids`` are normalised to lists.
     ``stop`` holds at most ``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_STRING_CHARS`` characters.
+
+    Logits processors (``shared/engine/logits_processors.py``): ``logit_bias`` maps token id -> bias in
+    ``[-100, 100]`` added to that logit (OpenAI; a dict, or ``[[id, bias], ...]`` pairs as on the wire);
+    ``allowed_token_ids`` (non-empty) keeps only those tokens; ``bad_words`` (strings) are never generated: their
+    token ids (``bad_words_token_ids``, filled by :meth:`update_from_tokenizer`, vLLM's rule) are banned when
+    the output ends with all but their last token. Token ids are checked against the model by
+    :meth:`check_vocabulary`.
     """
 
     n: int = 1
@@ -85,10 +104,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # derived from bad_words (update_from_tokenizer)
 
     def __post_init__(self) -> None:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        self.allowed_token_ids = self._normalise_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = self._normalise_bad_words(self.bad_words)
+        self.bad_words_token_ids = self._normalise_bad_words_token_ids(self.bad_words_token_ids)
         self._verify()
         if self.is_greedy:
             # As vLLM: greedy decoding ignores the truncation filters.
@@ -129,6 +156,66 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise _fail("stop_token_ids", "a list of non-negative integers", ids)
         return list(ids)
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        rule = "a map (or [[id, bias], ...] pairs) of token id -> bias"
+        if isinstance(bias, dict):
+            pairs = list(bias.items())
+        elif isinstance(bias, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in bias):
+            pairs = [tuple(x) for x in bias]
+        else:
+            raise _fail("logit_bias", rule, bias)
+        out: dict[int, float] = {}
+        for token, value in pairs:
+            if not _is_int(token) or token < 0:
+                raise _fail("logit_bias", "keyed by non-negative integer token ids", token)
+            if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError("logit_bias", f"logit_bias must be biases in [-{MAX_LOGIT_BIAS:g}, "
+                                                        f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {token}")
+            out[token] = float(value)
+        return out or None
+
+    @staticmethod
+    def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:
+        if ids is None:
+            return None
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or not ids:
+            raise _fail("allowed_token_ids", "a non-empty list of non-negative integers", ids)
+        if not all(_is_int(t) and t >= 0 for t in ids):
+            raise _fail("allowed_token_ids", "a non-empty list of non-negative integers", ids)
+        return list(ids)
+
+    @staticmethod
+    def _normalise_bad_words(words: Any) -> list[str]:
+        if words is None:
+            return []
+        if isinstance(words, (str, bytes)) or not isinstance(words, (list, tuple)):
+            raise _fail("bad_words", "a list of strings", words)
+        if len(words) > MAX_BAD_WORDS:
+            raise SamplingParamsError("bad_words", f"bad_words must be at most {MAX_BAD_WORDS} strings, "
+                                                   f"got {len(words)}")
+        for w in words:
+            if not isinstance(w, str) or not w.strip():
+                raise _fail("bad_words", "a list of non-blank strings", words)
+            if len(w) > MAX_BAD_WORD_CHARS:
+                raise SamplingParamsError("bad_words", f"bad_words must be strings of at most {MAX_BAD_WORD_CHARS} "
+                                                       f"characters, got one of {len(w)}")
+        return list(words)
+
+    @staticmethod
+    def _normalise_bad_words_token_ids(seqs: Any) -> list[list[int]] | None:
+        if seqs is None:
+            return None
+        rule = "a list of non-empty lists of non-negative integers"
+        if not isinstance(seqs, (list, tuple)):
+            raise _fail("bad_words_token_ids", rule, seqs)
+        for seq in seqs:
+            if not isinstance(seq, (list, tuple)) or not seq or not all(_is_int(t) and t >= 0 for t in seq):
+                raise _fail("bad_words_token_ids", rule, seqs)
+        return [list(seq) for seq in seqs]
 
     def _verify(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -210,13 +297,49 @@ class SamplingParams:
             ids.update(eos_token_ids)
         return ids
 
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Fill ``bad_words_token_ids`` from ``bad_words`` (no-op when already filled or without bad words).
+
+        vLLM's rule: each word is encoded without special tokens as written (leading spaces stripped) and, when
+        that gives a different first token and as many tokens, also with one leading space, so the word is
+        banned at the start of the text and after a space. ``tokenizer``: anything with HF's ``encode(text,
+        add_special_tokens=False)``.
+        """
+        if self.bad_words_token_ids is not None or not self.bad_words:
+            return
+        out: list[list[int]] = []
+        for word in self.bad_words:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        self.bad_words_token_ids = out
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise ``SamplingParamsError`` naming the field when a token id is not below ``vocab_size``."""
+        for name, ids in (("logit_bias", list(self.logit_bias or ())),
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for seq in self.bad_words_token_ids or () for t in seq])):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise SamplingParamsError(name, f"{name} must be token ids below the vocabulary size {vocab_size}, "
+                                                f"got {bad}")
+
     # ---- wire form --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of every field (JSON- and msgpack-safe)."""
+        """Every field, by the module's wire rule: ``logit_bias`` as sorted ``[[id, bias], ...]`` pairs, lists
+        copied (JSON- and msgpack-safe, with string keys only); unset logits-processor fields left out."""
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name in _OMITTED_WHEN_UNSET and not value:
+                continue
+            if f.name == "logit_bias":
+                value = [[token, bias] for token, bias in sorted(value.items())]
+            elif f.name == "bad_words_token_ids" and value is not None:
+                value = [list(seq) for seq in value]
             out[f.name] = list(value) if isinstance(value, list) else value
         return out
 
@@ -244,3 +367,5 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+# Added after the wire's first version: left out of to_dict while unset (see the module docstring).
+_OMITTED_WHEN_UNSET = frozenset({"logit_bias", "allowed_token_ids", "bad_words", "bad_words_token_ids"})
