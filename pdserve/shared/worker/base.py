@@ -419,14 +419,21 @@ class Worker:
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def exit_while_loading(signum: int, frame: object) -> None:
-    """SIGINT/SIGTERM before the engine is built: exit now (status 128 + signum), taking along the tensor-parallel
-    ranks forked so far. Nothing is registered or held yet, and a graceful stop would wait for the whole load: the
-    thread building the engine cannot be interrupted and ``asyncio.run`` joins it at exit (10 s and more)."""
-    os.write(2, f"{signal.Signals(signum).name} while loading the model: exiting\n".encode())
-    for child in multiprocessing.active_children():
-        child.kill()
-    os._exit(128 + signum)
+def exit_while_loading(owner: int) -> Callable[[int, object], None]:
+    """The SIGINT/SIGTERM handler before the engine is built: process ``owner`` exits now (status 128 + signum),
+    taking along the tensor-parallel ranks it forked so far. Nothing is registered or held yet, and a graceful stop
+    would wait for the whole load: the thread building the engine cannot be interrupted and ``asyncio.run`` joins
+    it at exit (10 s and more). A rank forked meanwhile inherits the handler and ignores the signal there, as it
+    ignored uvicorn's before: its leader kills it here, or stops it after a graceful stop."""
+    def handler(signum: int, frame: object) -> None:
+        if os.getpid() != owner:
+            return
+        os.write(2, f"{signal.Signals(signum).name} while loading the model: exiting\n".encode())
+        for child in multiprocessing.active_children():
+            child.kill()
+        os._exit(128 + signum)
+
+    return handler
 
 
 async def serve(worker: Worker) -> None:
@@ -453,7 +460,7 @@ async def serve(worker: Worker) -> None:
                             log_level=settings.log_level.lower(), access_log=False, lifespan="off")
     server = Server(config)
     worker.http_port = settings.port
-    previous = {sig: signal.signal(sig, exit_while_loading) for sig in SIGNALS}
+    previous = {sig: signal.signal(sig, exit_while_loading(os.getpid())) for sig in SIGNALS}
     worker.on_engine_built = graceful
     server_task = asyncio.create_task(server.serve())
     start = asyncio.create_task(worker.start())
