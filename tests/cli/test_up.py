@@ -322,6 +322,41 @@ def test_one_ctrl_c_during_startup_stops_everything_cleanly(tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_while_a_worker_builds_its_engine_stops_everything_in_seconds(tmp_path):
+    # A long grace period: a worker that waited for its engine before stopping would hold up's stop that long.
+    up = Up("--prefill", "0", "--decode", "1", "--no-router", "--stop-timeout-s", "120", "--log-dir", str(tmp_path / "logs"))
+    try:
+        up.wait_for(r"^  registry +ready")
+        deadline = time.monotonic() + 120
+        while not (workers := [p for p in descendants(up.proc.pid) if role_of(p) == "decode"]):
+            assert time.monotonic() < deadline, "no decode worker"
+            time.sleep(0.1)
+        health = f"http://127.0.0.1:{workers[0].environ()['PDSERVE_PORT']}/health"
+        while True:  # its HTTP side answers 503 while the engine is being built
+            assert time.monotonic() < deadline, "the decode worker never answered /health"
+            try:
+                status = httpx.get(health, timeout=2).json()["status"]
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert status == "starting"
+        children = descendants(up.proc.pid)
+        started = time.monotonic()
+        up.proc.send_signal(signal.SIGINT)
+        out = up.finish(timeout_s=150)
+        stopped_s = time.monotonic() - started
+        assert up.proc.returncode == 0, out
+        assert "did not stop" not in out and "Traceback" not in out, out
+        log = (tmp_path / "logs" / "decode-0.log").read_text()
+        assert "SIGTERM while loading the model: exiting" in log and "engine ready" not in log, log
+        assert stopped_s < 6, f"up took {stopped_s:.1f} s to stop:\n{out}"  # up notices within one probe (<= 2 s)
+        assert all_gone(children, timeout_s=1)
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+
+
+@pytest.mark.slow
 def test_up_refuses_an_unreachable_redis():
     up = Up("--no-router", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     out = up.finish()

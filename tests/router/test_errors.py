@@ -276,9 +276,29 @@ def test_unreachable_registry_gets_503(redis_url, processor, pods, worker):
         dead.stop()
 
 
-def test_unknown_route_and_method_get_openai_bodies(router):
-    assert_error(httpx.get(router.url + "/v1/nothing", timeout=30), 404, "NotFoundError", None)
-    assert_error(httpx.get(router.url + "/v1/chat/completions", timeout=30), 405, "MethodNotAllowedError", None)
+SUPPORTED = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
+             "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics", "GET /version"]
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/nothing"), ("POST", "/v1/embeddings"),
+                                         ("POST", "/v1/responses"), ("POST", "/v1/audio/speech"), ("GET", "/nowhere")])
+def test_unknown_path_gets_openai_404_naming_it_and_listing_every_endpoint(router, method, path):
+    resp = httpx.request(method, router.url + path, json={"model": MODEL, "input": "Hi"}, timeout=30)
+    assert_error(resp, 404, "NotFoundError", None)
+    message = resp.json()["error"]["message"]
+    assert message.startswith(f"Unknown endpoint {method} {path}. Supported endpoints: ")
+    listed = message.removeprefix(f"Unknown endpoint {method} {path}. Supported endpoints: ").rstrip(".").split(", ")
+    assert sorted(listed) == sorted(SUPPORTED)
+
+
+@pytest.mark.parametrize("method,path,allowed", [("GET", "/v1/chat/completions", "POST"),
+                                                 ("DELETE", "/v1/completions", "POST"),
+                                                 ("POST", "/v1/models", "GET")])
+def test_wrong_method_on_a_known_path_gets_openai_405_naming_the_allowed_one(router, method, path, allowed):
+    resp = httpx.request(method, router.url + path, timeout=30)
+    assert_error(resp, 405, "MethodNotAllowedError", None)
+    assert resp.json()["error"]["message"] == f"Method {method} is not allowed on {path}; allowed: {allowed}."
+    assert resp.headers["allow"] == allowed
 
 
 def test_redis_down_gets_503_and_unhealthy(registry_url, processor, pods, monkeypatch):

@@ -192,3 +192,14 @@ def test_request_without_output_times_out_with_504_and_is_aborted(redis_url, reg
         assert redis_client.exists(keys.aborted_key(rid))
     finally:
         server.stop()
+
+
+def test_endpoints_pdserve_lacks_raise_not_found_naming_the_path(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.embeddings.create(model="smollm2-135m-instruct", input="Hi")
+    assert info.value.body["type"] == "NotFoundError" and info.value.body["code"] == 404
+    assert info.value.body["message"].startswith("Unknown endpoint POST /v1/embeddings. Supported endpoints: ")
+    assert "POST /v1/chat/completions" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.create(model="smollm2-135m-instruct", input="Hi")
+    assert info.value.body["message"].startswith("Unknown endpoint POST /v1/responses. ")

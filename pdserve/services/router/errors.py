@@ -129,6 +129,31 @@ async def unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
     return error_response(500, f"Internal server error ({type(exc).__name__})")
 
 
-async def http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail), None,
+def supported_endpoints(app: Any) -> list[str]:
+    """``"METHOD /path"`` for every operation in ``app``'s OpenAPI schema (FastAPI builds it once and keeps it),
+    in the order the routes were declared."""
+    return [f"{method.upper()} {path}" for path, operations in app.openapi()["paths"].items()
+            for method in operations]
+
+
+def _shown_path(request: Request) -> str:
+    path = request.url.path
+    return path if len(path) <= 200 else path[:200] + "..."
+
+
+def routing_error_message(request: Request, exc: StarletteHTTPException) -> str:
+    """What the client is told for a routing miss: the path it asked for and what is served instead (a 404 for an
+    unknown path, a 405 for a known path with the wrong method); other HTTP errors keep their own detail."""
+    matched = "endpoint" in request.scope  # set once a route matched the path
+    if exc.status_code == 404 and not matched:
+        return (f"Unknown endpoint {request.method} {_shown_path(request)}. Supported endpoints: "
+                f"{', '.join(supported_endpoints(request.app))}.")
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return f"Method {request.method} is not allowed on {_shown_path(request)}; allowed: {allowed}."
+    return str(exc.detail)
+
+
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, routing_error_message(request, exc), None,
                           headers=getattr(exc, "headers", None))

@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import multiprocessing
 import os
+import signal
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 import torch
@@ -86,6 +89,9 @@ class Worker:
         # only a worker that owns its process (run_worker) freezes the heap: in a test process it would keep other
         # tests' garbage cycles forever
         self.freeze_gc_after_start = False
+        # called once the engine is built, before anything is registered: ``serve`` switches SIGINT/SIGTERM from
+        # "exit now" to a graceful stop there
+        self.on_engine_built: Callable[[], None] = lambda: None
 
     # lifecycle
     async def start(self) -> None:
@@ -93,6 +99,7 @@ class Worker:
         if self.settings.num_threads:  # process-wide: the engine thread's ops use it too
             torch.set_num_threads(self.settings.num_threads)
         self.engine = await asyncio.to_thread(LLMEngine, self.settings.engine_config())
+        self.on_engine_built()
         if self.freeze_gc_after_start:
             # What start-up built (torch, transformers, the model, the tokenizer) lives as long as the process: keep
             # it out of the collector's generations, as vLLM does after start-up. Full collections while serving
@@ -409,31 +416,52 @@ class Worker:
                 "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_while_loading(owner: int) -> Callable[[int, object], None]:
+    """The SIGINT/SIGTERM handler before the engine is built: process ``owner`` exits now (status 128 + signum),
+    taking along the tensor-parallel ranks it forked so far. Nothing is registered or held yet, and a graceful stop
+    would wait for the whole load: the thread building the engine cannot be interrupted and ``asyncio.run`` joins
+    it at exit (10 s and more). A rank forked meanwhile inherits the handler and ignores the signal there, as it
+    ignored uvicorn's before: its leader kills it here, or stops it after a graceful stop."""
+    def handler(signum: int, frame: object) -> None:
+        if os.getpid() != owner:
+            return
+        os.write(2, f"{signal.Signals(signum).name} while loading the model: exiting\n".encode())
+        for child in multiprocessing.active_children():
+            child.kill()
+        os._exit(128 + signum)
+
+    return handler
+
+
 async def serve(worker: Worker) -> None:
-    """Run the worker and its HTTP app until SIGINT/SIGTERM (uvicorn handles the signals), then ``worker.stop()``
-    (a decode pod hands its requests over there) and return."""
+    """Run the worker and its HTTP app until SIGINT/SIGTERM, then ``worker.stop()`` (a decode pod hands its requests
+    over there) and return. A signal that arrives before the engine is built ends the process at once
+    (``exit_while_loading``); after it, uvicorn's handler stops the app and ``worker.stop()`` runs."""
     import contextlib
-    import signal
 
     import uvicorn
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
-            # uvicorn's own re-raises the signal once the HTTP side has shut down, which killed the worker before
-            # ``worker.stop()`` ran: the pod stayed registered and its requests were dropped mid-step.
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
+            # ``serve`` owns the handlers: uvicorn's own re-raises the signal once the HTTP side has shut down, which
+            # killed the worker before ``worker.stop()`` ran (the pod stayed registered, its requests were dropped)
+            yield
+
+    def graceful() -> None:
+        for sig in SIGNALS:
+            signal.signal(sig, server.handle_exit)
 
     settings = worker.settings
     config = uvicorn.Config(worker.create_app(), host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), access_log=False, lifespan="off")
     server = Server(config)
     worker.http_port = settings.port
+    previous = {sig: signal.signal(sig, exit_while_loading(os.getpid())) for sig in SIGNALS}
+    worker.on_engine_built = graceful
     server_task = asyncio.create_task(server.serve())
     start = asyncio.create_task(worker.start())
     try:
@@ -445,6 +473,8 @@ async def serve(worker: Worker) -> None:
             start.cancel()
         server.should_exit = True
         await asyncio.gather(server_task, return_exceptions=True)
+        for sig, handler in previous.items():  # a second signal now interrupts the hand-over, as uvicorn's did
+            signal.signal(sig, handler)
         await worker.stop()
     if start.done() and not start.cancelled() and start.exception() is not None:
         raise start.exception()  # a failed start (model missing, port taken) exits non-zero
