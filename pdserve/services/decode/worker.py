@@ -147,6 +147,8 @@ class DecodeWorker(Worker):
         if self.kv_server is not None:
             await self.kv_server.stop()
         await self.hand_over()
+        for task in self.admissions:
+            task.cancel()
         await super().stop()
 
     async def hand_over(self) -> None:
