@@ -34,6 +34,7 @@ from urllib.parse import quote
 import click
 
 from pdserve.services.router.settings import RouterSettings
+from pdserve.services.router.settings import load_settings as load_router_settings
 from pdserve.shared.protocol.keys import redact_url
 from pdserve.shared.settings import cli_option, env_names
 from pdserve.shared.worker.settings import WorkerSettings
@@ -498,6 +499,8 @@ def run(opts: UpOptions) -> int:
             redis.Redis.from_url(external, socket_timeout=2, socket_connect_timeout=2).ping()
         except redis.RedisError as e:
             raise click.ClickException(f"cannot reach Redis at {external}: {e}") from None
+    if opts.router:  # the router's settings from the environment (its silence bound against the keep-alives), now
+        load_router_settings()
     check_model(opts.model)
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-")) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

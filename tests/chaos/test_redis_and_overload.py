@@ -77,7 +77,8 @@ def test_overload_gets_429_with_retry_after_and_admitted_requests_complete(clust
 
 
 def test_request_stuck_past_its_timeout_gets_504_and_releases_everything(cluster):
-    router = cluster.extra_router({"PDSERVE_REQUEST_TIMEOUT_S": "3"})
+    # the workers are paused: no keep-alive comes, whatever the interval the router is told (its bound must be 2x)
+    router = cluster.extra_router({"PDSERVE_REQUEST_TIMEOUT_S": "3", "PDSERVE_OUTPUT_KEEPALIVE_S": "1.5"})
     url = router.health_url.removesuffix("/health")
     decode = cluster.names("decode")[0]
     base_blocks = cluster.stats(decode)["kv_blocks_used"]

@@ -79,6 +79,7 @@ def parse(command: click.Command, args: list[str]) -> dict:
 def test_flags_become_settings_and_variables_fill_in_the_rest(monkeypatch):
     monkeypatch.setenv("PDSERVE_MAX_QUEUED_REQUESTS", "7")
     monkeypatch.setenv("PDSERVE_ROUTING_MODE", "least_loaded")
+    monkeypatch.setenv("PDSERVE_OUTPUT_KEEPALIVE_S", "1")  # the bound must be at least twice the keep-alives'
     flags = parse(router_command, ["--routing-mode", "round_robin", "--no-cache-salt-per-api-key",
                                    "--request-timeout-s", "2.5", "--registry-token", "t0ken"])
     settings = RouterSettings(**flags)

@@ -180,7 +180,8 @@ def test_request_without_output_times_out_with_504_and_is_aborted(redis_url, reg
     from router_harness import start_router
     from pdserve.services.router.settings import RouterSettings
 
-    server = start_router(RouterSettings(redis_url=redis_url, registry_url=registry_url, request_timeout_s=1.0),
+    server = start_router(RouterSettings(redis_url=redis_url, registry_url=registry_url, request_timeout_s=1.0,
+                                         output_keepalive_s=0.5),
                           processor, pods)
     try:
         resp = httpx.post(server.url + "/v1/completions", timeout=30,

@@ -128,6 +128,7 @@ class DecodeWorker(Worker):
         self.colocated = settings.colocated
         self.kv_server: KVTransferServer | None = None
         self.handed_over = HandedOver(settings.handover_memory_s, settings.handover_memory_max)
+        self.admissions: set[asyncio.Task] = set()  # batches read from the local queue, waiting to reach the engine
 
     async def start_role(self) -> None:
         s = self.settings
@@ -146,6 +147,8 @@ class DecodeWorker(Worker):
         if self.kv_server is not None:
             await self.kv_server.stop()
         await self.hand_over()
+        for task in self.admissions:
+            task.cancel()
         await super().stop()
 
     async def hand_over(self) -> None:
@@ -217,18 +220,25 @@ class DecodeWorker(Worker):
                 self.set_fault("local queue", f"reading {stream} failed: {exc}")
                 await asyncio.sleep(1.0)
                 continue
-            try:
-                for _, messages in entries or []:
-                    # all of them in one engine call: the next step prefills them together (not one per step)
-                    await self._admit_all([fields for _, fields in messages])
-                    ids = [msg_id for msg_id, _ in messages]
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        pipe.xack(stream, keys.DECODE_GROUP, *ids)
-                        pipe.xdel(stream, *ids)
-                        await pipe.execute()
-            except (RedisError, OSError) as exc:
-                logger.warning("admitting from %s failed (%s); retrying", stream, exc)
-                await asyncio.sleep(1.0)
+            for _, messages in entries or []:
+                # Admitting waits for the current step: a task of its own, so this loop reads (and the requests
+                # are tracked, with keep-alives) while the step runs, instead of leaving the next entries unread.
+                task = asyncio.create_task(self._admit_local(stream, messages))
+                self.admissions.add(task)
+                task.add_done_callback(self.admissions.discard)
+
+    async def _admit_local(self, stream: str, messages: list) -> None:
+        """Admit entries read from this pod's own stream in one engine call (the next step prefills them together,
+        not one per step), then acknowledge them."""
+        try:
+            await self._admit_all([fields for _, fields in messages])
+            ids = [msg_id for msg_id, _ in messages]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(stream, keys.DECODE_GROUP, *ids)
+                pipe.xdel(stream, *ids)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            logger.warning("admitting from %s failed (%s)", stream, exc)
 
     async def _admit(self, fields) -> None:
         await self._admit_all([fields])
@@ -251,7 +261,7 @@ class DecodeWorker(Worker):
             for req in reqs:
                 pipe.exists(keys.aborted_key(req.request_id))
             aborted = await pipe.execute()
-        reqs = [req for req, gone in zip(reqs, aborted) if not gone]
+        reqs = [req for req, gone in zip(reqs, aborted) if not gone and req.request_id not in self.aborted]
         for req in reqs:
             self.requests[req.request_id] = Tracked(req.arrival_time, req.sampling_params.logprobs,
                                                     admitted=time.time(), router_id=req.router_id)
@@ -266,6 +276,9 @@ class DecodeWorker(Worker):
         """Engine thread: add every request; per request None, or the error that refused it (a bad request)."""
         errors: list[Exception | None] = []
         for req in reqs:
+            if req.request_id not in self.requests:  # aborted while this call waited for the step
+                errors.append(None)
+                continue
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
                                         arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,

@@ -40,6 +40,10 @@ from pdserve.services.prefill.settings import PrefillSettings
 logger = logging.getLogger(__name__)
 
 
+class RequestAborted(Exception):
+    """The request was aborted (``PrefillWorker.abort``) before its transfer could wait for the decode pod."""
+
+
 class PrefillWorker(Worker):
     role = "prefill"
 
@@ -55,6 +59,7 @@ class PrefillWorker(Worker):
         self.clients: KVClientPool | None = None  # one connection per decode pod (made in start_role)
         self._slots = asyncio.Semaphore(settings.max_inflight)
         self.transfers: set[asyncio.Task] = set()
+        self.admissions: set[asyncio.Task] = set()  # batches read from the queue, waiting to reach the engine
         # decode pod (host, port) -> FIFO line of finished prefills waiting for its free KV blocks
         self._kv_lines: dict[tuple[str, int], asyncio.Lock] = {}
         self._kv_waiting: dict[str, asyncio.Task] = {}  # request id -> its transfer, while it waits for blocks
@@ -72,7 +77,7 @@ class PrefillWorker(Worker):
         return await ensure_group(self.redis, keys.PREFILL_STREAM, keys.PREFILL_GROUP)
 
     async def stop(self) -> None:
-        for task in self.transfers:
+        for task in (*self.transfers, *self.admissions):
             task.cancel()
         if self.clients is not None:
             await self.clients.close()
@@ -92,6 +97,9 @@ class PrefillWorker(Worker):
 
     # queue
     async def _consume(self) -> None:
+        """Read the queue while the engine steps: each batch read is admitted by a task of its own, since
+        admitting waits for the current step, and an entry left unread meanwhile would be silent toward the router
+        (no worker sends keep-alives for it) for as long as that step lasts."""
         while True:
             await self._slots.acquire()
             self._slots.release()
@@ -100,9 +108,13 @@ class PrefillWorker(Worker):
             cap = self.settings.max_waiting_kv_bytes
             while cap and self.waiting_kv_bytes > cap:
                 await asyncio.sleep(0.1)
-            # Every entry waiting, up to the free slots and one step's sequences: all of them reach the engine in
-            # one call (``_admit_batch``), so its next step prefills them together up to the token budget.
-            free = min(self._slots._value, self.settings.max_num_seqs)  # noqa: SLF001 — entries we may take now
+            # Every entry waiting, up to the free slots (less those delivered and not admitted yet) and one step's
+            # sequences: each batch reaches the engine in one call (``_admit_batch``), and batches read during a
+            # step are all added before the next one, which prefills them together up to the token budget.
+            free = min(self._slots._value - len(self._delivered), self.settings.max_num_seqs)  # noqa: SLF001
+            if free <= 0:
+                await asyncio.sleep(0.05)
+                continue
             try:
                 entries = await self.redis.xreadgroup(keys.PREFILL_GROUP, self.settings.pod_id,
                                                       {keys.PREFILL_STREAM: ">"}, count=max(1, free), block=1000)
@@ -119,19 +131,26 @@ class PrefillWorker(Worker):
                         logger.warning("recreating the consumer group failed: %s", again)
                 await asyncio.sleep(1.0)
                 continue
+            for _, messages in entries or []:
+                now = time.time()
+                self._delivered.update({msg_id: delivered_entry(fields, now) for msg_id, fields in messages})
+                task = asyncio.create_task(self._admit_delivered(messages))
+                self.admissions.add(task)
+                task.add_done_callback(self.admissions.discard)
             try:
-                for _, messages in entries or []:
-                    now = time.time()
-                    self._delivered.update({msg_id: (request_id_of(fields), now) for msg_id, fields in messages})
-                    await self._admit_batch(messages)
                 self.metrics.queue_depth.set(await self.redis.xlen(keys.PREFILL_STREAM))
-            except (RedisError, OSError) as exc:  # unacked entries stay pending: reclaimed later
-                logger.warning("admitting queue entries failed (%s)", exc)
-                self._delivered.clear()  # not admitted: let another worker reclaim them
-            except Exception:  # this loop is the worker: a bug on one entry must not stop it
-                logger.exception("admitting queue entries failed")
-                self._delivered.clear()
-            self.metrics.queue_tokens.set(self.queued_prefill_tokens())
+            except (RedisError, OSError) as exc:
+                logger.warning("reading the queue's length failed (%s)", exc)
+
+    async def _admit_delivered(self, messages: list) -> None:
+        """``_admit_batch`` for entries ``_consume`` read; an error leaves them pending (reclaimed later)."""
+        try:
+            await self._admit_batch(messages)
+        except (RedisError, OSError) as exc:  # unacked entries stay pending: reclaimed later
+            logger.warning("admitting queue entries failed (%s)", exc)
+        except Exception:  # a bug on one entry must not stop the others
+            logger.exception("admitting queue entries failed")
+        self.metrics.queue_tokens.set(self.queued_prefill_tokens())
 
     async def _reclaim(self) -> None:
         idle_ms = int(self.settings.claim_idle_s * 1000)
@@ -252,6 +271,10 @@ class PrefillWorker(Worker):
                 await self._ack(msg_id)
                 continue
             await self._slots.acquire()
+            if req.request_id in self.aborted:  # aborted while it waited for a slot
+                self._slots.release()
+                await self._ack(msg_id)
+                continue
             self.inflight[req.request_id] = (msg_id, req)
             self.requests[req.request_id] = Tracked(req.arrival_time, req.sampling_params.logprobs,
                                                     admitted=time.time())
@@ -274,6 +297,9 @@ class PrefillWorker(Worker):
         """Engine thread, between two steps: add every request; per request, None or the error that refused it."""
         errors: list[Exception | None] = []
         for req in reqs:
+            if req.request_id not in self.requests:  # aborted while this call waited for the step: never prefilled
+                errors.append(None)
+                continue
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
                                         arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
@@ -350,6 +376,9 @@ class PrefillWorker(Worker):
         rid, limit = req.request_id, self._wait_limit(req)
         started = time.monotonic()
         self._kv_waiting[rid] = asyncio.current_task()
+        if rid not in self.inflight:  # aborted before it could be cancelled here: it never joins the line
+            self._kv_waiting.pop(rid, None)
+            raise RequestAborted(rid)
         logger.info("decode pod %s has no free KV blocks for request %s: waiting in line%s", req.decode_pod_id, rid,
                     "" if limit is None else f" (up to {limit[0]:.0f} s: {limit[1]})")
         try:
@@ -439,6 +468,8 @@ class PrefillWorker(Worker):
             await self._mark(req, None)
         except asyncio.CancelledError:  # abort() while it waited in line, or stop()
             raise
+        except RequestAborted:  # abort() acknowledged its entry already
+            logger.info("request %s was aborted before its hand-over", rid)
         except (KVTransferError, HandshakeError, OSError, asyncio.TimeoutError) as exc:
             self._forget(rid)
             if await self.is_aborted(rid):
@@ -454,14 +485,16 @@ class PrefillWorker(Worker):
             self.waiting_kv_bytes -= held
 
 
-def request_id_of(fields) -> str | None:
-    """The request id of a prefill queue entry, or None for an unreadable one (``_admit_entry`` reports it)."""
+def delivered_entry(fields, now: float) -> tuple[str | None, float]:
+    """A delivered prefill queue entry's request id (None for an unreadable one: ``_check_entry`` reports it), and
+    since when (unix s) its request has been silent: its arrival at the router, else ``now``."""
     try:
-        return PrefillRequest.decode(fields).request_id
+        req = PrefillRequest.decode(fields)
     except BadSamplingParams as exc:
-        return exc.request_id
-    except Exception:  # a malformed entry: dropped with a log line by _admit_entry
-        return None
+        return exc.request_id, now
+    except Exception:  # a malformed entry: dropped with a log line by _check_entry
+        return None, now
+    return req.request_id, min(now, req.arrival_time or now)
 
 
 def describe(exc: BaseException) -> str:

@@ -9,7 +9,7 @@ import click
 from pdserve.shared.logs import setup_logging
 from pdserve.shared.settings import given, settings_options
 
-from .settings import RouterSettings
+from .settings import RouterSettings, load_settings
 
 
 @click.command("router")
@@ -22,7 +22,7 @@ def command(**flags: Any) -> None:
     from .drain import DrainingServer
     from .server import server_config
 
-    settings = RouterSettings(**given(flags))
+    settings = load_settings(**given(flags))
     setup_logging(settings.log_level)
     app = create_app(settings)
     DrainingServer(server_config(app, settings), app.state.drain).run()  # SIGTERM drains first (drain.py)

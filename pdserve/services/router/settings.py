@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, model_validator
 
 from pdserve.shared.settings import ServiceSettings
 
@@ -81,6 +81,10 @@ class RouterSettings(ServiceSettings):
     registry_cache_s: float = Field(0.5, ge=0, description="How long a pod list from the registry is reused (s).")
     # A request that sees no output event for this long is aborted with 504 (s).
     request_timeout_s: float = Field(600.0, gt=0, description="Abort after this long without output (s, 504).")
+    # The workers' keep-alive interval (their --output-keepalive-s, the same PDSERVE_OUTPUT_KEEPALIVE_S): a waiting
+    # request is silent for up to 1.5x it, so request_timeout_s below twice it would end requests that are well.
+    output_keepalive_s: float = Field(5.0, gt=0, description=(
+        "The workers' keep-alive interval (s); --request-timeout-s must be at least twice it."))
     # A choice with no output event for this long is checked: if its decode pod left the registry (heartbeats
     # stopped), it is re-enqueued to another pod with the tokens already sent (0 = never migrate).
     migration_stall_s: float = Field(2.0, ge=0, description=(
@@ -137,6 +141,13 @@ class RouterSettings(ServiceSettings):
         "Close an idle keep-alive connection after this long (s)."))
     log_level: str = Field("info", description="debug|info|warning|error.")
 
+    @model_validator(mode="after")
+    def _timeout_covers_keepalives(self) -> RouterSettings:
+        error = keepalive_bound_error(self.request_timeout_s, self.output_keepalive_s)
+        if error is not None:
+            raise ValueError(error)
+        return self
+
     @property
     def served_name(self) -> str:
         return self.served_model_name or self.model
@@ -146,3 +157,26 @@ class RouterSettings(ServiceSettings):
         if not self.api_key:
             return []
         return [k.strip() for k in self.api_key.split(",") if k.strip()]
+
+
+def keepalive_bound_error(request_timeout_s: float, output_keepalive_s: float) -> str | None:
+    """Why a silence bound is too short for the workers' keep-alives (one line), or None. A worker writes a
+    keep-alive for a request silent ``output_keepalive_s`` every half of it, so a well request is silent for up to 1.5x
+    the interval plus delivery; the bound must be at least twice the interval."""
+    if request_timeout_s >= 2 * output_keepalive_s:
+        return None
+    return (f"--request-timeout-s {request_timeout_s:g} is less than twice the workers' keep-alive interval "
+            f"(--output-keepalive-s {output_keepalive_s:g}): requests that only wait would end with 504; raise the "
+            f"timeout to at least {2 * output_keepalive_s:g} s or lower PDSERVE_OUTPUT_KEEPALIVE_S")
+
+
+def load_settings(**flags) -> RouterSettings:
+    """``RouterSettings(**flags)`` (and ``PDSERVE_*``); raises ``click.ClickException`` with one line per bad field."""
+    import click
+
+    try:
+        return RouterSettings(**flags)
+    except ValidationError as e:
+        lines = [str(err["ctx"]["error"]) if err["type"] == "value_error" and "ctx" in err
+                 else f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+        raise click.ClickException("; ".join(lines)) from None

@@ -74,17 +74,21 @@ class OutputProcessor:
         state = self.states[request.parent_id or request.request_id]
         self._touched[state.request_id] = state
         state.new.setdefault(request.index, []).append(token)
+        # vLLM's order: a stop token, then a stop string, and only then the length limit, so a stop string that
+        # the last allowed token completes finishes as "stop" (plain and speculative steps both come here).
         params = request.sampling_params
-        reason = check_stop_token(token, params, self.eos_token_ids, request.num_output_tokens)
-        if reason is None and (request.num_output_tokens >= request.max_tokens
-                               or request.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason == "stop" and token in params.stop_token_ids:
+        stop_token = check_stop_token(token, params, self.eos_token_ids, request.num_output_tokens) == "stop"
+        if stop_token and token in params.stop_token_ids:
             request.stop_reason = token
-        stop_str = state.detoks[request.index].update([token], stop_terminated=reason == "stop")
-        if reason is None and stop_str is not None:
-            reason, request.stop_reason = "stop", stop_str
-        return reason
+        stop_str = state.detoks[request.index].update([token], stop_terminated=stop_token)
+        if stop_token:
+            return "stop"
+        if stop_str is not None:
+            request.stop_reason = stop_str
+            return "stop"
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def mark_sent(self, request: Request) -> None:
         """Drop the pending delta of ``request`` (its client has it already: a hand-over's first token)."""

@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -43,6 +44,8 @@ from pdserve.shared.worker.settings import WorkerSettings
 from pdserve.shared.worker.tracked import Tracked
 
 logger = logging.getLogger(__name__)
+
+ABORT_MEMORY = 4096  # aborted request ids a worker remembers (Worker.aborted)
 
 
 def exit_on_rank_death(error: Exception) -> None:
@@ -86,6 +89,9 @@ class Worker:
         # answers 503 with them, so an operator sees e.g. a lost consumer group while it lasts
         self.faults: dict[str, str] = {}
         self.unpublishable: set[str] = set()  # requests whose output could not become an event: to fail and abort
+        # the last ABORT_MEMORY request ids aborted here (loop thread only): an abort that arrives while a request is
+        # between its queue entry and the engine (its abort marker already checked) must still stop it there
+        self.aborted: OrderedDict[str, None] = OrderedDict()
         # only a worker that owns its process (run_worker) freezes the heap: in a test process it would keep other
         # tests' garbage cycles forever
         self.freeze_gc_after_start = False
@@ -293,6 +299,9 @@ class Worker:
                     pass
 
     async def abort(self, request_id: str) -> None:
+        self.aborted[request_id] = None
+        if len(self.aborted) > ABORT_MEMORY:
+            self.aborted.popitem(last=False)
         if self.requests.pop(request_id, None) is not None or self.engine.owns(request_id):
             found = await self.engine_thread.acall(self.engine.abort_request, request_id)
             if found:

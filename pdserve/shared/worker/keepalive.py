@@ -6,7 +6,9 @@ for a full decode pod's KV blocks on the prefill pod (issue 12 item 1), waiting 
 preempted on a decode pod until blocks free up, or queued behind long steps. Every ``output_keepalive_s / 2`` the
 worker writes ``OutputEvent(keepalive=True)`` to the output stream of each request it holds that has been silent for
 ``output_keepalive_s`` (so a request is silent for at most 1.5 x that); the router counts it as output for its
-silence bounds and relays nothing (``pdserve/services/router/relay.py``). None is written while the engine counts as stuck
+silence bounds and relays nothing (``pdserve/services/router/relay.py``), and refuses a bound below twice the interval.
+The loop runs on the worker's event loop and never waits for an engine step; the queue readers read during steps too,
+so a request queued behind a long step is held, and kept alive, as soon as it arrives. None is written while the engine counts as stuck
 (``Worker.engine_stalled``): a stuck pod's requests fall silent, and the router's stall checks move them, as before.
 """
 

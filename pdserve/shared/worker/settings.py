@@ -44,7 +44,7 @@ class WorkerSettings(ServiceSettings):
         "An engine with no finished step for this long counts as stuck: no heartbeat, /health 503 (s)."))
     # A request this worker holds with no output for this long gets a keep-alive event on its output stream
     # (pdserve/shared/worker/keepalive.py), so the router's --request-timeout-s (a bound on silence) does not end a request
-    # that waits for KV blocks under load (s; silence lasts up to 1.5x this: keep it well below that timeout).
+    # that waits for KV blocks under load (s; silence lasts up to 1.5x this: the router refuses a timeout below 2x it).
     output_keepalive_s: float = Field(5.0, gt=0, description=(
         "A request silent this long gets a keep-alive event to the router (s)."))
     log_level: str = Field("info", description="debug|info|warning|error.")
