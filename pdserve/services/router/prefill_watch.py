@@ -13,7 +13,8 @@ queue entry (``ChoiceRoute.queue_stream``/``queue_entry``). Its answer:
     no prefill pod has been alive for ``stall_s`` -> 503 ``OpenAIError`` (a long prompt never falls back to a
     decode pod's local prefill, see ``dispatch.py``);
   * entry gone: handed over (or ended) -- then the decode pod holds the request (``GET /v1/requests/{id}``), and
-    the watch is done with it -- or lost with Redis's data (restarted empty, FLUSHALL) -> a reason: move it.
+    the watch is done with it -- or lost: taken by a pod that then died (the usual cause) or with Redis's data
+    (restarted empty, FLUSHALL) -> a reason naming the likelier of the two: move it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from typing import Any
 
 import httpx
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from pdserve.shared.protocol import keys
 from pdserve.shared.streams import is_nogroup
@@ -54,12 +55,13 @@ class PrefillWatch:
         """A reason to move ``route``'s request, or None to keep waiting. Raises ``OpenAIError(503)`` for a request
         no prefill pod came for. Redis errors propagate (the relay treats them as an outage)."""
         stream, entry = route.queue_stream, route.queue_entry
+        group_gone = False
         try:
             pending = await self.redis.xpending_range(stream, group_of(stream), entry, entry, 1)
         except ResponseError as exc:
             if not is_nogroup(exc):
                 raise
-            pending = []  # the group is gone: Redis lost its data (the worker makes the group again)
+            pending, group_gone = [], True  # Redis lost its data (the worker makes the group again)
         if pending:
             idle_s = int(pending[0]["time_since_delivered"]) / 1000
             if idle_s < self.stall_s or stream != keys.PREFILL_STREAM:
@@ -84,7 +86,23 @@ class PrefillWatch:
         if not route.vanished:
             route.vanished = True
             return None
-        return "its queue entry and its state vanished (Redis lost its data?)"
+        return f"its queue entry and its state vanished ({await self._vanished_cause(route, group_gone)})"
+
+    async def _vanished_cause(self, route: Any, group_gone: bool) -> str:
+        """The likely cause of a vanished request, for the log line an operator reads. Entries leave a queue when
+        a pod takes them, so after a pod's death the usual cause is that pod (it took the request, then died and
+        restarted empty); only a missing consumer group, or a Redis restarted since the request was queued, points
+        at Redis."""
+        if group_gone:
+            return "the queue's consumer group was gone too: Redis lost its data (restarted empty, FLUSHALL)"
+        try:
+            uptime_s = float((await self.redis.info("server")).get("uptime_in_seconds", 1e9))
+        except (RedisError, OSError, ValueError, AttributeError):
+            uptime_s = 1e9
+        if uptime_s < time.monotonic() - route.queued_at:
+            return f"Redis restarted {uptime_s:.0f} s ago, after it was queued: the entry went with its data"
+        return (f"decode pod {route.pod_id or '?'} does not hold it: it most likely took it and then died or "
+                "restarted; else Redis lost the entry (FLUSHALL, a restart without persistence)")
 
     async def check_held(self, route: Any, silent_s: float) -> str | None:
         """A reason to move a request its decode pod took over (no queue entry left) and that has been silent for
