@@ -99,7 +99,7 @@ class PrefillWatch:
             uptime_s = float((await self.redis.info("server")).get("uptime_in_seconds", 1e9))
         except (RedisError, OSError, ValueError, AttributeError):
             uptime_s = 1e9
-        if uptime_s < time.monotonic() - route.queued_at:
+        if uptime_s + 1 < time.monotonic() - route.queued_at:  # (Redis reports whole seconds)
             return f"Redis restarted {uptime_s:.0f} s ago, after it was queued: the entry went with its data"
         return (f"decode pod {route.pod_id or '?'} does not hold it: it most likely took it and then died or "
                 "restarted; else Redis lost the entry (FLUSHALL, a restart without persistence)")
