@@ -463,3 +463,18 @@ def test_up_checks_the_speculative_config_before_starting_anything():
     result = CliRunner().invoke(command, ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])
     assert result.exit_code == 2
     assert "speculative_config.num_speculative_tokens must be an integer >= 1" in result.output
+
+
+@pytest.mark.slow
+def test_stop_gives_the_router_its_own_drain_before_sigkill(tmp_path):
+    """One drain setting (issue 30): ``up`` used to SIGKILL the router at ``--stop-timeout-s`` (10 s) after giving it
+    half of that to drain, where the router's own ``shutdown_grace_s`` (docs/ensemble.md "Stopping") is 30 s. A
+    stand-in router that takes 2 s to drain after SIGTERM, under a 0.5 s stop timeout, must exit on its own."""
+    drain = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(2), sys.exit(7)))\n"
+             "time.sleep(60)\n")
+    router = Child("router", [sys.executable, "-c", drain], dict(os.environ), tmp_path / "router.log")
+    router.start()
+    time.sleep(1)  # its handler is installed
+    Ensemble([router], echo=lambda *a, **k: None, router_grace_s=2.0).stop(0.5)
+    assert router.proc.returncode == 7  # drained and exited, not SIGKILLed (-9)
