@@ -4,6 +4,8 @@ deltas behind the rolling TTFT, against percentiles computed by hand."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from click.testing import CliRunner
@@ -80,6 +82,8 @@ def test_once_shows_the_registry_pods_and_queue(router, redis_client):
                                          str(p["num_running"]), str(p["num_waiting"]),
                                          str(p["queued_prefill_tokens"]), f"{used}/{p['total_blocks']}",
                                          f"{usage:.1f}"]
+        # heartbeat age: the frame was taken before this read of the registry (ages shown to 0.1 s)
+        assert 0 <= float(rows[p["pod_id"]][9]) <= time.time() - p["last_heartbeat"] + 0.1
     assert rows["decode-1"][8] == "2" and rows["decode-1"][10] == "ok"
     assert rows["decode-2"][10] == "unreachable"  # registered with a port nothing serves
     assert [r[1] for r in table_rows(result.output, "pods")] == ["prefill-0", "prefill-1", "decode-0", "decode-1",
