@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "registry": ("pdserve.services.registry.main:command", "Run the pod registry."),
     "planner": ("pdserve.services.planner.main:command", "Run the autoscaling planner."),
     "models": ("pdserve.services.models:command", "List the converted models and their folders (tokenizer paths)."),
+    "top": ("pdserve.services.top:command", "Live view of a running ensemble: pods, KV usage, queues, TTFT/TPOT."),
     "tp-worker": ("pdserve.services.tp_worker:command", "Run node K >= 1 of a multi-node tensor-parallel engine."),
     "bench": ("pdserve.loadtest.cli:bench", "Benchmark a running deployment."),
 }
