@@ -86,12 +86,21 @@ class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
         return logits.masked_fill_(self.mask, float("-inf"))
 
 
-class BadWordsLogitsProcessor(LogitsProcessor):
-    """``bad_words`` (as ``bad_words_token_ids``): a word's last token gets ``-inf`` when the output ends with
-    the rest of the word (a one-token word: always). vLLM's ``apply_bad_words``."""
+class _TokenMaskLogitsProcessor(LogitsProcessor):
+    """Bans the token ``ids[k]`` in row ``rows[k]`` (logit ``-inf``), for every ``k``: what bad words and min_tokens
+    share; ``from_batch`` says which pairs."""
 
     def __init__(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         self.rows, self.ids = rows, ids
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        logits[self.rows, self.ids] = float("-inf")
+        return logits
+
+
+class BadWordsLogitsProcessor(_TokenMaskLogitsProcessor):
+    """``bad_words`` (as ``bad_words_token_ids``): a word's last token gets ``-inf`` when the output ends with
+    the rest of the word (a one-token word: always). vLLM's ``apply_bad_words``."""
 
     @classmethod
     def from_batch(cls, batch: ProcessorBatch) -> BadWordsLogitsProcessor | None:
@@ -110,17 +119,10 @@ class BadWordsLogitsProcessor(LogitsProcessor):
             return None
         return cls(*_masked_pairs(rows, ids, batch.device))
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        logits[self.rows, self.ids] = float("-inf")
-        return logits
 
-
-class MinTokensLogitsProcessor(LogitsProcessor):
+class MinTokensLogitsProcessor(_TokenMaskLogitsProcessor):
     """``min_tokens``: while a row has fewer outputs, its ``stop_token_ids`` and EOS (unless ``ignore_eos``)
     get ``-inf``."""
-
-    def __init__(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        self.rows, self.ids = rows, ids
 
     @classmethod
     def from_batch(cls, batch: ProcessorBatch) -> MinTokensLogitsProcessor | None:
@@ -137,10 +139,6 @@ class MinTokensLogitsProcessor(LogitsProcessor):
         if not rows:
             return None
         return cls(*_masked_pairs(rows, ids, batch.device))
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        logits[self.rows, self.ids] = float("-inf")
-        return logits
 
 
 class LogitBiasLogitsProcessor(LogitsProcessor):
