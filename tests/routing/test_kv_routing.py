@@ -11,12 +11,9 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-import httpx
 import pytest
 import pytest_asyncio
 
-from pdserve.services.registry.app import create_app
-from pdserve.services.registry.settings import RegistrySettings
 from pdserve.services.router.dispatch import DispatchConfig, Dispatcher, RoutingConfig
 from pdserve.services.router.errors import OpenAIError
 from pdserve.services.router.kv_routing import (Candidate, RoundRobin, choose, costs, pod_load, probabilities,
@@ -24,8 +21,9 @@ from pdserve.services.router.kv_routing import (Candidate, RoundRobin, choose, c
 from pdserve.services.router.metrics import RouterMetrics
 from pdserve.shared.protocol.block_hash import compute_block_hashes
 from pdserve.shared.protocol.kv_events import KVEvent, KVEventBatch
-from pdserve.shared.protocol.registry import PodInfo
 from pdserve.shared.registry_client import RegistryClient
+
+from support.registry_inprocess import BLOCK, pod, registry_client
 
 
 @dataclass
@@ -105,22 +103,12 @@ def test_round_robin_cycles_in_pod_order():
 
 # --- the dispatcher with a real registry ---
 
-BLOCK = 16
-
-
-def pod(pod_id: str, role: str = "decode", **kw) -> PodInfo:
-    base = dict(pod_id=pod_id, role=role, host="127.0.0.1", http_port=8003, kv_port=9000 if role == "decode" else 0,
-                model="m", block_size=BLOCK, total_blocks=1000, free_blocks=1000)
-    return PodInfo(**{**base, **kw})
 
 
 @pytest_asyncio.fixture
 async def registry(redis_url):
-    app = create_app(RegistrySettings(redis_url=redis_url))
-    client = RegistryClient("http://registry", transport=httpx.ASGITransport(app=app))
-    yield client
-    await client.aclose()
-    await app.state.store.redis.aclose()
+    async for client in registry_client(redis_url):
+        yield client
 
 
 async def store(client: RegistryClient, pod_id: str, token_ids: list[int], salt: str | None = None, seq: int = 1):

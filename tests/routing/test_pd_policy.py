@@ -10,18 +10,15 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import pytest_asyncio
 
-from pdserve.services.registry.app import create_app
-from pdserve.services.registry.settings import RegistrySettings
 from pdserve.services.router.dispatch import DispatchConfig, Dispatcher, RoutingConfig
 from pdserve.services.router.pd_policy import (POLICIES, REASONS, PdPolicy, PolicyConfig, PrefillCase, PrefillTier,
                                                QueueAwarePolicy, ThresholdPolicy, make_policy)
 from pdserve.services.router.settings import RouterSettings
-from pdserve.shared.protocol.registry import PodInfo
-from pdserve.shared.registry_client import RegistryClient
+
+from support.registry_inprocess import pod, registry_client
 
 CONFIG = PolicyConfig(local_prefill_threshold=0, fallback_max_tokens=256, ttft_slo_ms=2000, tpot_slo_ms=100,
                       prefill_tokens_per_s=1000, step_budget_tokens=2048)
@@ -105,23 +102,13 @@ def test_policies_are_chosen_by_name_and_reasons_are_a_fixed_set():
 
 # --- both placement paths ask the one policy, with a real registry ---
 
-BLOCK = 16
 PREFIX = list(range(1000, 1512))  # 32 blocks
-
-
-def pod(pod_id: str, role: str = "decode", **kw) -> PodInfo:
-    base = dict(pod_id=pod_id, role=role, host="127.0.0.1", http_port=8003, kv_port=9000 if role == "decode" else 0,
-                model="m", block_size=BLOCK, total_blocks=1000, free_blocks=1000)
-    return PodInfo(**{**base, **kw})
 
 
 @pytest_asyncio.fixture
 async def registry(redis_url):
-    app = create_app(RegistrySettings(redis_url=redis_url))
-    client = RegistryClient("http://registry", transport=httpx.ASGITransport(app=app))
-    yield client
-    await client.aclose()
-    await app.state.store.redis.aclose()
+    async for client in registry_client(redis_url):
+        yield client
 
 
 class Recording(PdPolicy):
