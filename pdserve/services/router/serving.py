@@ -253,7 +253,8 @@ class CompletionService:
         with tracing.span("route", job.span) as route:
             sent = await self.state.dispatcher.dispatch(ids, choices, cache_salt=cache_salt, priority=priority,
                                                         arrival_time=arrival_wall)
-            tracing.set_attributes(route, route_attributes(sent))
+            if route is not None:
+                tracing.set_attributes(route, route_attributes(sent))
         pod, local = sent.placement.pod, sent.placement.local_prefill
         job.pods.extend([pod.pod_id] * n)
         job.routes.extend(ChoiceRoute(c.request_id, pod.pod_id, c.prompt_token_ids, c.sampling_params,

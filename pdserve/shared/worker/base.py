@@ -278,7 +278,8 @@ class Worker:
             if event.finished:
                 self.metrics.e2e.observe(now - info.arrival_time)
                 self.requests.pop(out.request_id, None)
-                tracing.end(info.span, finish_attributes(out, event))
+                if info.span is not None:
+                    tracing.end(info.span, finish_attributes(out, event))
         return events
 
     # aborts
