@@ -123,6 +123,8 @@ async def prometheus(request: Request) -> Response:
         metrics.kv_blocks.clear()
         for p in pods:
             metrics.kv_blocks.labels(p.pod_id, p.role).set(await index.count(p.pod_id))
+        metrics.redis_up.set(1)
     except RedisError:
         metrics.redis_errors.inc()
+        metrics.redis_up.set(0)
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -79,9 +79,11 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     st = _state(request)
     try:
-        st.metrics.queue_depth.set(await st.redis.xlen(keys.PREFILL_STREAM))
+        # bounded like /health: a scrape must not hang on a frozen Redis
+        st.metrics.queue_depth.set(await asyncio.wait_for(st.redis.xlen(keys.PREFILL_STREAM), HEALTH_TIMEOUT_S))
+        st.metrics.redis_up.set(1)
     except Exception:
-        pass  # Redis down: the other metrics are still worth scraping
+        st.metrics.redis_up.set(0)  # Redis down: the other metrics are still worth scraping
     return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
