@@ -186,6 +186,8 @@ FORWARDED = [(WorkerSettings, "dtype"), (WorkerSettings, "max_model_len"), (Work
              (WorkerSettings, "block_size"), (WorkerSettings, "enable_prefix_caching"),
              (RouterSettings, "local_prefill_threshold"), (RouterSettings, "pd_policy"),
              (RouterSettings, "ttft_slo_ms"), (RouterSettings, "tpot_slo_ms"), (RouterSettings, "prefill_tokens_per_s"),
+             (RouterSettings, "chat_template"), (RouterSettings, "tool_call_parser"),
+             (RouterSettings, "enable_auto_tool_choice"),
              (WorkerSettings, "speculative_config"),
              (WorkerSettings, "device"), (WorkerSettings, "enforce_eager"),
              (WorkerSettings, "max_cudagraph_capture_size")]
