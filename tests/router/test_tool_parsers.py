@@ -122,3 +122,22 @@ def test_required_and_named_outputs_become_tool_calls():
     assert names_args(out.calls) == [("get_weather", {"city": "Rome"})] and out.content is None and finish == "stop"
     out, finish = extract_output(ToolPlan("auto", parser=HermesToolParser(), parallel=False), HERMES, "stop")
     assert names_args(out.calls) == [("get_weather", {"city": "Paris"})] and finish == "tool_calls"
+
+
+def test_hermes_streams_a_calls_name_first_then_its_arguments_in_fragments():
+    stream = ToolCallStream(HermesToolParser())
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    out = [stream.feed(text[i:i + 4]) for i in range(0, len(text), 4)] + [stream.finish()]
+    deltas = [d for _, ds in out for d in ds]
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and "id" in deltas[0]
+    fragments = [d["function"]["arguments"] for d in deltas[1:]]
+    assert len(fragments) > 3 and all("id" not in d for d in deltas[1:])
+    assert "".join(fragments) == '{"city": "Paris", "unit": "c"}'
+
+
+def test_hermes_call_cut_by_max_tokens_keeps_what_was_sent():
+    stream = ToolCallStream(HermesToolParser())
+    _, first = stream.feed('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Pa')
+    content, rest = stream.finish()
+    assert first[0]["function"]["name"] == "get_weather" and first[1]["function"]["arguments"] == '{"city": "Pa'
+    assert content == "" and rest == [] and stream.called

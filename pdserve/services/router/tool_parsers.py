@@ -48,19 +48,49 @@ def _call_of(obj: Any, args_key: str) -> dict[str, Any] | None:
 
 
 class HermesToolParser:
-    """``<tool_call>{json}</tool_call>`` blocks (see the module docstring)."""
+    """``<tool_call>{json}</tool_call>`` blocks (see the module docstring). A call's ``arguments`` are the model's
+    own text of them where the block reads ``{"name": ..., "arguments": ...}`` (so that streamed fragments of it
+    add up to the same string), else re-encoded."""
 
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+    _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+    def _call(self, block: str) -> dict[str, Any] | None:
+        try:
+            call = _call_of(json.loads(block), "arguments")
+        except json.JSONDecodeError:
+            return None
+        head = self._HEAD.match(block)
+        if call is not None and head is not None:
+            try:
+                value, end = json.JSONDecoder().raw_decode(block, head.end())
+            except json.JSONDecodeError:
+                return call
+            if value == json.loads(call["function"]["arguments"]):
+                call["function"]["arguments"] = block[head.end():end]
+        return call
+
+    def partial_call(self, text: str) -> tuple[str, str] | None:
+        """The call being written at the end of ``text``: its name and the part of its arguments' text that is
+        certainly theirs (up to the last ``}``, which may close the block's object, less trailing blanks); None
+        before its name and ``"arguments":`` are out."""
+        start = text.rfind(self.START)
+        if start < 0 or self.END in text[start:]:
+            return None
+        block = text[start + len(self.START):]
+        head = self._HEAD.match(block)
+        if head is None:
+            return None
+        args = block[head.end():]
+        cut = args.rfind("}")
+        return json.loads(head.group(1)), (args[:cut] if cut >= 0 else args).rstrip()
 
     def extract(self, text: str) -> Extracted:
         calls = []
         for closed, open_ in self._BLOCK.findall(text):
-            try:
-                call = _call_of(json.loads(closed or open_), "arguments")
-            except json.JSONDecodeError:
-                continue
+            call = self._call(closed or open_)
             if call is not None:
                 calls.append(call)
         if not calls:
@@ -126,6 +156,9 @@ class Llama3JsonToolParser:
     def closed_calls(self, text: str) -> list[dict[str, Any]]:
         return []  # a call's end is known only at the text's end
 
+    def partial_call(self, text: str) -> None:
+        return None
+
 
 PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 ToolParser = HermesToolParser | Llama3JsonToolParser
@@ -142,18 +175,41 @@ def call_delta(index: int, call: dict[str, Any]) -> list[dict[str, Any]]:
 class ToolCallStream:
     """One streamed choice through a parser: ``feed(text_delta)`` and, at the end, ``finish()`` return
     ``(content_delta, tool_call_deltas)``. The content sent is always a prefix of ``extract``'s content and
-    the calls sent are ``extract``'s calls: a call goes out once its block is closed (llama3_json: at the end)."""
+    the calls sent are ``extract``'s calls. hermes: a call's id and name go out as soon as the model has written
+    them, then its arguments in fragments as they come; llama3_json: the calls go out at the end."""
 
     def __init__(self, parser: ToolParser, parallel: bool = True) -> None:
         self.parser, self.parallel = parser, parallel
         self.text, self.sent_content, self.sent_calls = "", 0, 0
+        self.partial: str | None = None  # the arguments sent so far of call ``sent_calls`` (still being written)
 
     def _calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         calls = calls if self.parallel else calls[:1]
         out = []
         for call in calls[self.sent_calls:]:
-            out.extend(call_delta(self.sent_calls, call))
+            if self.partial is None:
+                out.extend(call_delta(self.sent_calls, call))
+            else:  # its head and part of its arguments went out already
+                args = call["function"]["arguments"]
+                if args.startswith(self.partial) and len(args) > len(self.partial):
+                    out.append({"index": self.sent_calls, "function": {"arguments": args[len(self.partial):]}})
+                self.partial = None
             self.sent_calls += 1
+        return out
+
+    def _partial(self) -> list[dict[str, Any]]:
+        partial = self.parser.partial_call(self.text)
+        if partial is None or (not self.parallel and self.sent_calls):
+            return []
+        name, args = partial
+        out = []
+        if self.partial is None:
+            out.append(call_delta(self.sent_calls, {"id": tool_call_id(),
+                                                    "function": {"name": name, "arguments": ""}})[0])
+            self.partial = ""
+        if len(args) > len(self.partial):
+            out.append({"index": self.sent_calls, "function": {"arguments": args[len(self.partial):]}})
+            self.partial = args
         return out
 
     def _content(self, end: int) -> str:
@@ -164,14 +220,16 @@ class ToolCallStream:
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         self.text += delta
         content = self._content(self.parser.content_end(self.text))
-        return content, self._calls(self.parser.closed_calls(self.text))
+        return content, self._calls(self.parser.closed_calls(self.text)) + self._partial()
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         extracted = self.parser.extract(self.text)
-        if not extracted.calls and self.sent_calls == 0:
+        if not extracted.calls and not self.called:
             return self._content(len(self.text)), []
-        return self._content(len(extracted.content or "")), self._calls(extracted.calls)
+        # a call whose head went out but whose block does not parse (cut by max_tokens) stays as sent
+        end = len(extracted.content or "") if extracted.calls else self.parser.content_end(self.text)
+        return self._content(end), self._calls(extracted.calls)
 
     @property
     def called(self) -> bool:
-        return self.sent_calls > 0
+        return self.sent_calls > 0 or self.partial is not None
