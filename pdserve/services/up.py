@@ -615,6 +615,8 @@ def command(**flags) -> None:
     engine = {}
     for name, env in ENGINE_FLAGS.items():
         value = flags.pop(name)
+        if name == "chat_template" and value is not None:
+            value = Path(value).resolve()  # the router reads it, whatever its working directory
         if value is not None:
             engine[env] = ("true" if value else "false") if isinstance(value, bool) else str(value)
     opts = UpOptions(engine=engine, **flags)
