@@ -5,8 +5,8 @@ It stands in for the real workers (they have their own tests, with the real engi
 ``decode``), and answers each with a scripted completion written as ``OutputEvent``s, one token per event,
 honouring ``max_tokens`` and ``logprobs``; it listens on ``pdserve:abort`` and stops a request when told.
 Prompts that mention France are answered " The capital of France is Paris." then EOS; others get a
-repeating sentence (so long ``max_tokens`` finish by length); ``replies`` scripts other texts (tool calls, say). A prompt containing ``TRIGGER_WORKER_ERROR``
-gets an error event; one containing ``TRIGGER_OUTPUT_GAP`` loses the event of its third token (as a worker whose
+repeating sentence (so long ``max_tokens`` finish by length); ``replies`` scripts other texts (tool calls, say).
+A prompt containing ``TRIGGER_WORKER_ERROR`` gets an error event; one containing ``TRIGGER_OUTPUT_GAP`` loses the event of its third token (as a worker whose
 publish failed would).
 """
 

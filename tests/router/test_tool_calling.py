@@ -186,3 +186,35 @@ def test_required_and_named_choices_ask_for_guided_decoding(tool_router, worker,
         assert r.json()["error"] == {"message": "tool_choice needs guided decoding (structured outputs), which this "
                                                 "server does not support", "type": "BadRequestError",
                                      "param": "tool_choice", "code": 400}
+
+
+def test_responses_text_format_json_schema_asks_for_guided_decoding(tool_router, worker):
+    from pdserve.shared.protocol.sampling_params import SamplingParams
+
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
+    r = httpx.post(tool_router.url + "/v1/responses", timeout=30, json={
+        "model": MODEL, "input": "What is the capital of France?", "max_output_tokens": 5,
+        "text": {"format": {"type": "json_schema", "name": "capital", "schema": schema}}})
+    if "structured_outputs" in SamplingParams.__dataclass_fields__:
+        assert r.status_code == 200, r.text
+        assert worker.received[0].request.sampling_params.structured_outputs == {"json": schema}
+    else:
+        assert r.status_code == 400
+        assert r.json()["error"] == {"message": "text.format needs guided decoding (structured outputs), which this "
+                                                "server does not support", "type": "BadRequestError",
+                                     "param": "text.format", "code": 400}
+
+
+def test_responses_refuses_what_it_does_not_serve_naming_the_field(tool_router):
+    for body, param, message in [
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input[0]: items of type 'reasoning' are not "
+                                                                     "supported"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", "tools[0]: tools of type 'web_search' are not "
+                                                                      "supported (only 'function')"),
+    ]:
+        r = httpx.post(tool_router.url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400
+        assert r.json()["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+    r = httpx.delete(tool_router.url + "/v1/responses/resp_gone", timeout=30)
+    assert r.status_code == 404 and r.json()["error"] == {"message": "Response with id 'resp_gone' not found.",
+                                                          "type": "NotFoundError", "param": None, "code": 404}

@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import JSONResponse
-from pydantic import StrictBool, StrictStr
+from pydantic import Field, StrictBool, StrictStr
 from starlette.responses import Response
 
 from pdserve.shared.protocol import keys
@@ -40,9 +40,9 @@ class ResponsesRequest(_Body):
     model: str
     input: StrictStr | list[dict[str, Any]]
     instructions: StrictStr | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -216,7 +216,7 @@ class ResponsesService:
             events = ResponseEvents(req, response_id, created)
             return delivery.ClosingEventSource(
                 self._stream(events, delivery.stream_chunks(self.service, job), conversation),
-                lambda: self.service.finish(job, aborted=True), sep="\n")
+                lambda: self.service.finish(job, aborted=True), sep="\n", ping=self.service.settings.sse_ping_s)
         full = await delivery.full_response(self.service, job, is_disconnected)
         if full.status_code != 200:
             return full
