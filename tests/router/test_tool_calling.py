@@ -144,6 +144,11 @@ def test_responses_stream_sends_typed_events_in_order(client):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == " The capital of France is Paris." == events[-1].response.output_text
     assert client.responses.retrieve(events[-1].response.id).output_text == text
+    # the SDK's own accumulator (responses.stream) follows the events to the same final response
+    with client.responses.stream(model=MODEL, input="What is the capital of France?") as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == text
 
 
 def test_responses_function_call_round_trip(client):
@@ -156,6 +161,10 @@ def test_responses_function_call_round_trip(client):
                                           stream=True))
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert json.loads(args) == {"city": "Paris"}
+    with client.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=tools) as stream:
+        final = stream.get_final_response()
+    assert [(o.type, o.name, json.loads(o.arguments)) for o in final.output] == [
+        ("function_call", "get_weather", {"city": "Paris"})]
     answer = client.responses.create(model=MODEL, previous_response_id=first.id, tools=tools, input=[
         {"type": "function_call_output", "call_id": call.call_id, "output": "22 C"}])
     assert answer.output_text == "It is 22 C and sunny in Paris."
