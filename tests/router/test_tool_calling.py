@@ -93,11 +93,17 @@ def test_bad_tool_choice_gets_vllms_400(tool_router, body, param, message):
     assert r.json() == {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
 
 
-def test_bad_tool_spec_gets_a_400_naming_tools(tool_router):
+@pytest.mark.parametrize("tool, message", [
+    ({"type": "function", "function": {}}, "'tools.0.function.name': Field required"),
+    ({"type": "retrieval"}, "Invalid value for 'tools.0.type': Input should be 'function' (got 'retrieval')"),
+    ({"type": "function", "function": {"name": "get weather"}},
+     "Invalid value for 'tools.0.function.name': String should match pattern '^[A-Za-z0-9_-]+$' (got 'get weather')"),
+])
+def test_bad_tool_spec_gets_a_400_naming_tools(tool_router, tool, message):
     r = httpx.post(tool_router.url + "/v1/chat/completions", timeout=30,
-                   json={"model": MODEL, "messages": ASK, "tools": [{"type": "function", "function": {}}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    assert r.json()["error"]["type"] == "BadRequestError"
+                   json={"model": MODEL, "messages": ASK, "tools": [tool]})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": message, "type": "BadRequestError", "param": "tools", "code": 400}}
 
 
 def test_auto_without_a_parser_gets_vllms_400(router):

@@ -102,7 +102,7 @@ class ChatMessage(BaseModel):
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]  # OpenAI's rule
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
     strict: StrictBool | None = None
