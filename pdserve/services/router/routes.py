@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.shared.protocol import keys
 
 from . import errors
+from .openai_responses import ResponsesRequest, ResponsesService
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .serving import CompletionService, GenerationRequest, RouterState
 
@@ -116,3 +117,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
     return await _create(request, body, "completion")
+
+
+# ---- Responses API (openai_responses.py) -------------------------------------------------------------------
+
+def _responses(request: Request) -> ResponsesService:
+    return ResponsesService(request.app.state.service)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Any:
+    return await _responses(request).create(body, api_key_id=getattr(request.state, "api_key_id", None),
+                                            is_disconnected=request.is_disconnected)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    return await _responses(request).retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    return await _responses(request).delete(response_id)
