@@ -169,7 +169,9 @@ class DiskTier:
             self.files.move_to_end(block_hash)
             return []
         payload = data.contiguous().view(torch.uint8).numpy().tobytes()
-        header = json.dumps({"layout": self.layout, "crc32": zlib.crc32(payload), "nbytes": len(payload)}).encode()
+        # fixed-width checksum: every file of one layout has the same size (the capacity in blocks is exact)
+        header = json.dumps({"layout": self.layout, "crc32": f"{zlib.crc32(payload):08x}",
+                             "nbytes": len(payload)}).encode()
         blob = MAGIC + struct.pack("<I", len(header)) + header + payload
         if len(blob) > self.capacity_bytes:
             self.stats.writes_refused += 1
@@ -214,7 +216,7 @@ class DiskTier:
                 payload = f.read() if header is not None else b""
         except (OSError, ValueError):
             header = None
-        if header is None or len(payload) != header["nbytes"] or zlib.crc32(payload) != header["crc32"]:
+        if header is None or len(payload) != header["nbytes"] or f"{zlib.crc32(payload):08x}" != header["crc32"]:
             self.stats.bad_files += 1
             self.bytes_used -= self.files.pop(block_hash)
             self._remove(block_hash)
