@@ -116,3 +116,12 @@ def test_offload_manager_writes_down_the_tiers_and_emits_each_tiers_events(tmp_p
     stats = manager.get_stats()
     assert stats["kv_offload_cpu_hit_tokens"] == 4 and stats["kv_offload_disk_hit_tokens"] == 4
     assert stats["kv_offload_disk_bytes_loaded"] == _block(7).numel() * 2
+
+
+def test_the_publisher_sends_each_events_medium():
+    from pdserve.shared.engine.block_pool import KVCacheEvent
+    from pdserve.shared.worker.kv_publisher import KVEventPublisher
+
+    pub = KVEventPublisher(None, None, "d0", None)
+    pub.record([KVCacheEvent("stored", [_h(1)]), KVCacheEvent("removed", [_h(2)], None, "disk")])
+    assert [(e.kind, e.medium) for e in pub._pending] == [("stored", "device"), ("removed", "disk")]

@@ -266,6 +266,10 @@ class LLMEngine:
         """Every block hash in the prefix cache now."""
         return self.kv_manager.cached_block_hashes()
 
+    def offloaded_block_hashes(self) -> dict[str, list[bytes]]:
+        """Every block hash the offloading tiers hold now: ``{"cpu": [...], "disk": [...]}`` ({} without tiers)."""
+        return self.offload.hashes() if self.offload is not None else {}
+
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (removals go out as KV events); False, and nothing done, while requests hold blocks."""
         return self.kv_manager.reset_prefix_cache()
