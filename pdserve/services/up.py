@@ -190,7 +190,8 @@ FORWARDED = [(WorkerSettings, "dtype"), (WorkerSettings, "max_model_len"), (Work
              (RouterSettings, "enable_auto_tool_choice"),
              (WorkerSettings, "speculative_config"),
              (WorkerSettings, "device"), (WorkerSettings, "enforce_eager"),
-             (WorkerSettings, "max_cudagraph_capture_size")]
+             (WorkerSettings, "max_cudagraph_capture_size"), (WorkerSettings, "kv_offloading_size"),
+             (WorkerSettings, "kv_offloading_disk_path"), (WorkerSettings, "kv_offloading_disk_size")]
 ENGINE_FLAGS = {name: env_names(name, cls.model_fields[name])[0] for cls, name in FORWARDED}
 
 

@@ -98,7 +98,7 @@ async def kv_lookup(q: KVLookup, request: Request) -> KVLookupReply:
     overlaps = await _index(request).overlaps([p.pod_id for p in pods], q.block_hashes)
     num_prefill = len(await store.list("prefill")) if q.role == "decode" else len(pods)
     _metrics(request).kv_lookups.inc()
-    return KVLookupReply(pods=[PodOverlap(pod=p, overlap=o) for p, o in zip(pods, overlaps)],
+    return KVLookupReply(pods=[PodOverlap(pod=p, overlap=o, tier_overlap=t) for p, (o, t) in zip(pods, overlaps)],
                          num_prefill_pods=num_prefill)
 
 

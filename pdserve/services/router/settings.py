@@ -77,6 +77,12 @@ class RouterSettings(ServiceSettings):
     # kv: softmax temperature over costs, in blocks (0 = always the cheapest, ties at random).
     routing_temperature: float = Field(1.0, ge=0, description=(
         "kv routing: softmax temperature over costs, in blocks (0 = cheapest)."))
+    # kv: a prompt block a pod holds in its CPU / disk offloading tier counts this much of one in its KV pool (a
+    # load back is cheaper than a prefill but not free); device > CPU > disk > none (docs/routing.md).
+    routing_kv_cpu_weight: float = Field(0.9, ge=0, le=1, description=(
+        "kv routing: worth of a prompt block in a pod's CPU offloading tier, against one in its KV pool (0..1)."))
+    routing_kv_disk_weight: float = Field(0.7, ge=0, le=1, description=(
+        "kv routing: worth of a prompt block in a pod's disk offloading tier, against one in its KV pool (0..1)."))
     # How long a pod list from the registry is reused (s).
     registry_cache_s: float = Field(0.5, ge=0, description="How long a pod list from the registry is reused (s).")
     # A request that sees no output event for this long is aborted with 504 (s).
