@@ -9,5 +9,6 @@ from setuptools import find_packages, setup
 
 setup(
     packages=find_packages(".", include=["pdserve", "pdserve.*"]),
-    package_data={"pdserve.loadtest": ["*.json", "*.sh"], "pdserve.kernels": ["*.c", "*.h"]},
+    package_data={"pdserve.loadtest": ["*.json", "*.sh"], "pdserve.kernels": ["*.c", "*.h"],
+                  "pdserve.services.router": ["templates/*.jinja"]},
 )

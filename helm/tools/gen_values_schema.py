@@ -35,6 +35,10 @@ PDB = obj({"enabled": B,
            "maxUnavailable": {"anyOf": [I0, {"type": "string", "pattern": r"^[0-9]+%$"}]},
            "minAvailable": {"anyOf": [I0, {"type": "string", "pattern": r"^[0-9]+%$"}]}},
           required=["enabled"])
+TTFT_BUCKET_BOUNDS = ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75", "1.0",
+                      "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "160.0", "640.0", "2560.0"]
+ITL_BUCKET_BOUNDS = ["0.01", "0.025", "0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.4", "0.5", "0.75", "1.0", "2.5",
+                     "5.0", "7.5", "10.0", "20.0", "40.0", "80.0"]
 SHM = obj({"enabled": B, "sizeLimit": QTY})
 
 
@@ -200,6 +204,16 @@ schema = {
             "rankPorts": obj({"start": PORT, "end": PORT}, required=["start", "end"]),
         }, required=["enabled"]),
         "serviceMonitor": obj({"enabled": B, "interval": S, "scrapeTimeout": S, "labels": STRMAP}),
+        "grafanaDashboard": obj({"enabled": B, "labels": STRMAP, "annotations": STRMAP}),
+        "prometheusRule": obj({
+            "enabled": B, "labels": STRMAP, "runbookBaseUrl": {"type": "string", "pattern": r"^(https?://.*/)?$"},
+            # An SLO threshold is a bucket bound of the router's histogram, written as prometheus_client writes
+            # `le` (tests/helm/test_observability.py checks these against pdserve/services/router/metrics.py).
+            "slo": obj({"ttftSeconds": {"enum": TTFT_BUCKET_BOUNDS}, "tpotSeconds": {"enum": ITL_BUCKET_BOUNDS},
+                        "objective": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}},
+                       required=["ttftSeconds", "tpotSeconds", "objective"]),
+            "kvCacheUsageThreshold": {"type": "number", "minimum": 0, "maximum": 1},
+            "queueDepthThreshold": I0, "flappingDeregistrations": I0}),
         "loadtest": obj({"enabled": B, "args": {"type": "array", "items": S}, "backoffLimit": I0,
                          "ttlSecondsAfterFinished": I0, "resources": {"$ref": "#/$defs/resources"},
                          "nodeSelector": STRMAP, "tolerations": LIST}),

@@ -186,9 +186,12 @@ FORWARDED = [(WorkerSettings, "dtype"), (WorkerSettings, "max_model_len"), (Work
              (WorkerSettings, "block_size"), (WorkerSettings, "enable_prefix_caching"),
              (RouterSettings, "local_prefill_threshold"), (RouterSettings, "pd_policy"),
              (RouterSettings, "ttft_slo_ms"), (RouterSettings, "tpot_slo_ms"), (RouterSettings, "prefill_tokens_per_s"),
+             (RouterSettings, "chat_template"), (RouterSettings, "tool_call_parser"),
+             (RouterSettings, "enable_auto_tool_choice"),
              (WorkerSettings, "speculative_config"),
              (WorkerSettings, "device"), (WorkerSettings, "enforce_eager"),
-             (WorkerSettings, "max_cudagraph_capture_size")]
+             (WorkerSettings, "max_cudagraph_capture_size"), (WorkerSettings, "kv_offloading_size"),
+             (WorkerSettings, "kv_offloading_disk_path"), (WorkerSettings, "kv_offloading_disk_size")]
 ENGINE_FLAGS = {name: env_names(name, cls.model_fields[name])[0] for cls, name in FORWARDED}
 
 
@@ -613,6 +616,8 @@ def command(**flags) -> None:
     engine = {}
     for name, env in ENGINE_FLAGS.items():
         value = flags.pop(name)
+        if name == "chat_template" and value is not None:
+            value = Path(value).resolve()  # the router reads it, whatever its working directory
         if value is not None:
             engine[env] = ("true" if value else "false") if isinstance(value, bool) else str(value)
     opts = UpOptions(engine=engine, **flags)

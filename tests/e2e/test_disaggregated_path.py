@@ -263,6 +263,33 @@ def test_usage_reports_the_prompts_prefix_cache_hit(client, prompt_of):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
 
 
+def test_responses_conversation_continues_from_the_stored_one_with_a_prefix_cache_hit(client, offline, tokenizer):
+    """``/v1/responses`` with ``previous_response_id`` on the real ensemble: the continuation's prompt is the
+    chat template over the stored input and output and the new input (its greedy answer equals the offline
+    engine's on that prompt), and its shared prefix is served from the prefix cache."""
+    from pdserve import SamplingParams
+
+    first = client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+                                    max_output_tokens=8)
+    second = client.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
+                                     temperature=0, max_output_tokens=8)
+
+    def ids(messages):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    asked = [{"role": "user", "content": "What is the capital of France?"}]
+    before = ids(asked)
+    prompt = ids(asked + [{"role": "assistant", "content": first.output_text},
+                          {"role": "user", "content": "And of Italy?"}])
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert second.output_text == want
+    assert second.usage.input_tokens == len(prompt)
+    common = next((i for i, (a, b) in enumerate(zip(before, prompt)) if a != b), len(before))
+    assert second.usage.input_tokens_details.cached_tokens >= 16 * (common // 16) >= 32
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
 # ---- tracing ----------------------------------------------------------------------------------------------
 
 ROUTER_STEPS = {"validate", "tokenize", "admission", "route"}

@@ -172,3 +172,85 @@ def test_counters_summed_over_pods_equal_what_clients_got(ensemble, prompt_of):
     assert hits >= cached  # the n=3 request's later choices hit the first one's blocks, which usage does not show
     # KV transfer: each block counted once by the sender and once, under another name, by the receiver
     assert total(d, "pdserve:kv_transfer_sent_blocks_total") == total(d, "pdserve:kv_transfer_received_blocks_total")
+
+
+# ---- the chart's dashboard and alerts, evaluated by a real Prometheus scraping this ensemble (docs/runbooks.md) ----
+
+def _prometheus(ens: Ensemble, rules_path, tmp_path):
+    """A real Prometheus (Debian's package; CI installs it) scraping router, registry and pods every second, with the
+    chart's rules loaded; job names as the chart's ServiceMonitor gives them (``<fullname>-<tier>``)."""
+    import os
+    import shutil
+    import subprocess
+
+    import yaml
+
+    from support.observability import FULL
+    from support.redis_server import free_port
+
+    binary = shutil.which("prometheus")
+    if binary is None and not os.environ.get("CI"):  # CI installs it (.ci/run): there a missing binary fails
+        pytest.skip("prometheus not installed (apt-get install prometheus; CI installs it)")
+    jobs = {"router": [ens.router_url], "registry": [ens.registry_url],
+            **{role: [f"http://{p['host']}:{p['http_port']}" for p in ens.pods(role)] for role in ("prefill", "decode")}}
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(rules_path)],
+              "scrape_configs": [{"job_name": f"{FULL}-{tier}", "static_configs": [
+                  {"targets": [u.removeprefix("http://") for u in urls]}]} for tier, urls in jobs.items()]}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+    return proc, f"http://127.0.0.1:{port}", sum(len(u) for u in jobs.values())
+
+
+def _query(url: str, expr: str) -> list:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def test_a_real_prometheus_evaluates_every_dashboard_query_and_rule(ensemble, prompt_of, tmp_path):
+    import time
+
+    import yaml
+
+    from support.chart_render import helm
+    from support.chart_render import CHART
+    from support.observability import dashboard_queries, render_observability, rule_file, rules
+
+    with helm.Chart.load(CHART) as chart:
+        dashboards, prometheus_rule = render_observability(chart)
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule_file(prometheus_rule)))
+    proc, url, num_targets = _prometheus(ensemble, tmp_path / "rules.yaml", tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if len([s for s in _query(url, "up") if s["value"][1] == "1"]) == num_targets:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"Prometheus never scraped all {num_targets} targets: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+        # a short load while it scrapes: a prompt long enough for the P/D hand-over, streamed (TTFT, ITL, TPOT)
+        for offset in (0, 100):
+            post(ensemble, "/v1/completions", {"prompt": prompt_of(120, offset=offset), "max_tokens": 8,
+                                               "temperature": 0, "stream": True})
+        time.sleep(3)  # three more scrapes and rule evaluations
+        empty = [(title, expr) for title, expr in dashboard_queries(dashboards) if not _query(url, expr)]
+        empty += [(r["record"], r["expr"]) for r in rules(prometheus_rule, "record") if not _query(url, r["expr"])]
+        assert not empty, f"queries that returned no series: {empty}"
+        for alert in rules(prometheus_rule, "alert"):
+            _query(url, alert["expr"])  # evaluates (a healthy ensemble fires none: see below)
+        groups = httpx.get(f"{url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        evaluated = [r for g in groups for r in g["rules"]]
+        assert len(evaluated) == len(rules(prometheus_rule, "record")) + len(rules(prometheus_rule, "alert"))
+        assert all(r["health"] == "ok" for r in evaluated), [(r["name"], r.get("lastError")) for r in evaluated]
+        firing = [r["name"] for r in evaluated if r.get("state") == "firing"]
+        assert not firing, firing
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

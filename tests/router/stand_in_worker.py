@@ -5,8 +5,8 @@ It stands in for the real workers (they have their own tests, with the real engi
 ``decode``), and answers each with a scripted completion written as ``OutputEvent``s, one token per event,
 honouring ``max_tokens`` and ``logprobs``; it listens on ``pdserve:abort`` and stops a request when told.
 Prompts that mention France are answered " The capital of France is Paris." then EOS; others get a
-repeating sentence (so long ``max_tokens`` finish by length). A prompt containing ``TRIGGER_WORKER_ERROR``
-gets an error event; one containing ``TRIGGER_OUTPUT_GAP`` loses the event of its third token (as a worker whose
+repeating sentence (so long ``max_tokens`` finish by length); ``replies`` scripts other texts (tool calls, say).
+A prompt containing ``TRIGGER_WORKER_ERROR`` gets an error event; one containing ``TRIGGER_OUTPUT_GAP`` loses the event of its third token (as a worker whose
 publish failed would).
 """
 
@@ -47,6 +47,8 @@ class StandInWorker:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._eos = tokenizer.eos_token_id
+        # scripted model texts: a prompt containing the key is answered with the value, then EOS
+        self.replies: dict[str, str] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -131,6 +133,9 @@ class StandInWorker:
 
     def script(self, req: PrefillRequest) -> list[int]:
         prompt = self.tokenizer.decode(req.prompt_token_ids)
+        found = [(prompt.rfind(marker), text) for marker, text in self.replies.items() if marker in prompt]
+        if found:  # the reply to the marker latest in the prompt (the conversation's last turn)
+            return self.tokenizer.encode(max(found)[1], add_special_tokens=False) + [self._eos]
         if "France" in prompt:
             return self.tokenizer.encode(PARIS, add_special_tokens=False) + [self._eos]
         ids = self.tokenizer.encode(FILLER, add_special_tokens=False)

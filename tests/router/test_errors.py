@@ -106,7 +106,8 @@ BAD_400 = {
     "best_of above n": (completion(best_of=2), "best_of"),
     "best_of zero": (completion(best_of=0), "best_of"),
     "chat best_of above n": (chat(n=2, best_of=3), "best_of"),
-    "tools": (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    "tools without a tool-call parser": (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+                                         "tool_choice"),
     "functions": (chat(functions=[{"name": "f", "parameters": {}}]), "functions"),
     "function_call forced": (chat(function_call={"name": "f"}), "function_call"),
     "tool_choice required": (chat(tool_choice="required"), "tool_choice"),
@@ -135,7 +136,8 @@ EXACT_MESSAGE = {
     "logit_bias out of vocabulary": "logit_bias must be biases in [-100, 100], got 500 for token 999999999",
     "best_of above n": "best_of is not supported (only null, 1 or equal to n)",
     "chat best_of above n": "best_of is not supported (only null, 1 or equal to n)",
-    "tools": "tools is not supported (no tool-call parser)",
+    "tools without a tool-call parser": '"auto" tool choice requires --enable-auto-tool-choice and '
+                                        '--tool-call-parser to be set',
     "functions": "functions is not supported (no tool-call parser)",
     "function_call forced": "function_call other than 'none' or 'auto' is not supported (no tool-call parser)",
     "stop_token_ids out of vocabulary": "Token id 49152 is out of vocabulary (size 49152)",
@@ -277,11 +279,12 @@ def test_unreachable_registry_gets_503(redis_url, processor, pods, worker):
 
 
 SUPPORTED = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
-             "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics", "GET /version"]
+             "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics", "GET /version",
+             "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"]
 
 
 @pytest.mark.parametrize("method,path", [("GET", "/v1/nothing"), ("POST", "/v1/embeddings"),
-                                         ("POST", "/v1/responses"), ("POST", "/v1/audio/speech"), ("GET", "/nowhere")])
+                                         ("POST", "/v1/audio/speech"), ("GET", "/nowhere")])
 def test_unknown_path_gets_openai_404_naming_it_and_listing_every_endpoint(router, method, path):
     resp = httpx.request(method, router.url + path, json={"model": MODEL, "input": "Hi"}, timeout=30)
     assert_error(resp, 404, "NotFoundError", None)

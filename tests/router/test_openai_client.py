@@ -202,5 +202,5 @@ def test_endpoints_pdserve_lacks_raise_not_found_naming_the_path(client):
     assert info.value.body["message"].startswith("Unknown endpoint POST /v1/embeddings. Supported endpoints: ")
     assert "POST /v1/chat/completions" in info.value.body["message"]
     with pytest.raises(openai.NotFoundError) as info:
-        client.responses.create(model="smollm2-135m-instruct", input="Hi")
-    assert info.value.body["message"].startswith("Unknown endpoint POST /v1/responses. ")
+        client.audio.speech.create(model="smollm2-135m-instruct", input="Hi", voice="alloy")
+    assert info.value.body["message"].startswith("Unknown endpoint POST /v1/audio/speech. ")

@@ -18,11 +18,11 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from pdserve.services.registry.app import create_app
-from pdserve.services.registry.kv_index import blocks_key, seq_key
+from pdserve.services.registry.kv_index import blocks_key, seq_key, tier_keys
 from pdserve.services.registry.settings import RegistrySettings
 from pdserve.shared.engine.block_pool import BlockPool
 from pdserve.shared.protocol.block_hash import compute_block_hashes
-from pdserve.shared.protocol.kv_events import KVEvent, KVEventBatch
+from pdserve.shared.protocol.kv_events import KVEvent, KVEventBatch, KVSnapshot
 from pdserve.shared.protocol.registry import PodInfo
 from pdserve.shared.registry_client import RegistryClient
 from pdserve.shared.worker.kv_publisher import KVEventPublisher
@@ -284,3 +284,36 @@ async def test_expired_or_deregistered_pod_has_its_blocks_purged(redis_url):
     finally:
         await r.aclose()
         await reg.close()
+
+
+async def test_tier_events_are_indexed_per_medium_and_the_lookup_ranks_each_blocks_best_medium(registry):
+    c = registry.client
+    chain = [hh.hex() for hh in compute_block_hashes(list(range(24)), 4)]  # 6 blocks
+    for name in ("d0", "d1", "d2", "d3"):
+        await c.heartbeat(pod(name))
+
+    def ev(seq, kind, hashes, medium):
+        return KVEvent(seq=seq, kind=kind, block_hashes=hashes, medium=medium)
+
+    async def publish(pod_id, *events):
+        r = await c.publish_kv_events(KVEventBatch(pod_id=pod_id, epoch="e", events=list(events)))
+        assert (r.applied, r.resync) == (len(events), False)
+
+    # d0: blocks 0-1 in its pool, 2-3 in CPU (2 also on disk), 4 on disk; block 5 nowhere
+    await publish("d0", ev(1, "stored", chain[:2], "device"), ev(2, "stored", chain[2:4], "cpu"),
+                  ev(3, "stored", chain[2:3] + chain[4:5], "disk"))
+    await publish("d1", ev(1, "stored", chain[:5], "cpu"))
+    await publish("d2", ev(1, "stored", chain[:5], "disk"), ev(2, "removed", chain[1:2], "disk"))
+    await publish("d3", ev(1, "stored", chain[:5], "device"), ev(2, "removed", chain[:5], "device"))
+    reply = {o.pod.pod_id: (o.overlap, o.tier_overlap) for o in (await c.lookup(chain)).pods}
+    assert reply == {"d0": (2, {"device": 2, "cpu": 2, "disk": 1}), "d1": (0, {"device": 0, "cpu": 5, "disk": 0}),
+                     "d2": (0, {"device": 0, "cpu": 0, "disk": 1}), "d3": (0, {"device": 0, "cpu": 0, "disk": 0})}
+    assert await registry.blocks("d0") == set(chain[:2])  # the pool's set is what it always was
+    # a snapshot replaces every medium's set; a deregistration deletes them all
+    await c.publish_kv_snapshot(KVSnapshot(pod_id="d0", epoch="e", seq=3, block_hashes=[],
+                                           cpu_block_hashes=[], disk_block_hashes=chain[:1]))
+    reply = {o.pod.pod_id: o.tier_overlap for o in (await c.lookup(chain)).pods}
+    assert reply["d0"] == {"device": 0, "cpu": 0, "disk": 1}
+    await c.deregister("d1")
+    r = registry.app.state.store.redis
+    assert await r.exists(*tier_keys("d1")) == 0 and await r.exists(*tier_keys("d0")) == 1

@@ -170,3 +170,14 @@ async def test_dispatcher_without_decode_pods_answers_503(registry):
     with pytest.raises(OpenAIError) as e:
         await d.place(len(PREFIX), PREFIX)
     assert e.value.status == 503
+
+
+def test_a_prefix_in_the_pool_beats_one_in_cpu_beats_one_on_disk_beats_none():
+    weights = {"cpu": 0.9, "disk": 0.7}
+    media = ["device", "cpu", "disk"]
+    pods = [Candidate(m, 4 if m == "device" else 0, 0, {**dict.fromkeys(media, 0), m: 4}) for m in media]
+    pods.append(Candidate("none", 0, 0, dict.fromkeys(media, 0)))
+    assert costs(6, pods, 8.0, weights) == pytest.approx([2.0, 6 - 3.6, 6 - 2.8, 6.0])
+    assert choose(6, list(reversed(pods)), 8.0, 0.0, tier_weights=weights).index == 3  # the device pod
+    # without tier counts (an older registry) or without weights, the pool's overlap alone counts, as before
+    assert costs(6, [Candidate("old", 4, 0)], 8.0, weights) == costs(6, pods[:1], 8.0) == [2.0]

@@ -14,6 +14,8 @@ class RegistryMetrics:
         self.heartbeats = Counter("pdserve:registry_heartbeats_total", "Heartbeats received", ["role"], registry=r)
         self.deregistrations = Counter("pdserve:registry_deregistrations_total", "Pods deregistered", registry=r)
         self.redis_errors = Counter("pdserve:registry_redis_errors_total", "Requests failed on Redis", registry=r)
+        # 1 when the last /metrics scrape reached Redis, else 0 (the PdserveRedisUnreachable alert, docs/runbooks.md)
+        self.redis_up = Gauge("pdserve:redis_up", "1 if Redis answered at the last scrape, else 0", registry=r)
         self.pods = Gauge("pdserve:registry_pods", "Alive pods (at scrape time)", ["role"], registry=r)
         self.kv_events = Counter("pdserve:registry_kv_events_total", "Block events applied", registry=r)
         self.kv_resyncs = Counter("pdserve:registry_kv_resyncs_total",

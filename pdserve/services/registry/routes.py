@@ -98,7 +98,7 @@ async def kv_lookup(q: KVLookup, request: Request) -> KVLookupReply:
     overlaps = await _index(request).overlaps([p.pod_id for p in pods], q.block_hashes)
     num_prefill = len(await store.list("prefill")) if q.role == "decode" else len(pods)
     _metrics(request).kv_lookups.inc()
-    return KVLookupReply(pods=[PodOverlap(pod=p, overlap=o) for p, o in zip(pods, overlaps)],
+    return KVLookupReply(pods=[PodOverlap(pod=p, overlap=o, tier_overlap=t) for p, (o, t) in zip(pods, overlaps)],
                          num_prefill_pods=num_prefill)
 
 
@@ -123,6 +123,8 @@ async def prometheus(request: Request) -> Response:
         metrics.kv_blocks.clear()
         for p in pods:
             metrics.kv_blocks.labels(p.pod_id, p.role).set(await index.count(p.pod_id))
+        metrics.redis_up.set(1)
     except RedisError:
         metrics.redis_errors.inc()
+        metrics.redis_up.set(0)
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -19,7 +19,7 @@ import json
 
 from redis.asyncio import Redis
 
-from pdserve.services.registry.kv_index import blocks_key, seq_key
+from pdserve.services.registry.kv_index import blocks_key, seq_key, tier_keys
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.registry import ROLES, PodInfo
 
@@ -53,7 +53,8 @@ class PodStore:
             pipe.hset(key, mapping={k: json.dumps(v) for k, v in stored.model_dump(mode="json").items()})
             pipe.pexpire(key, ttl_ms)
             pipe.zadd(alive_key(info.role), {info.pod_id: now})
-            pipe.pexpire(blocks_key(info.pod_id), ttl_ms)  # its blocks live exactly as long as its record
+            for key in (blocks_key(info.pod_id), *tier_keys(info.pod_id)):
+                pipe.pexpire(key, ttl_ms)  # its blocks live exactly as long as its record
             pipe.pexpire(seq_key(info.pod_id), ttl_ms)
             pipe.pexpire(alive_key(info.role), ttl_ms * 10)  # an abandoned deployment leaves nothing behind
             if info.role == "decode":
@@ -89,7 +90,7 @@ class PodStore:
     async def delete(self, pod_id: str) -> bool:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(pod_key(pod_id))
-            pipe.delete(blocks_key(pod_id), seq_key(pod_id))
+            pipe.delete(blocks_key(pod_id), seq_key(pod_id), *tier_keys(pod_id))
             for r in ROLES:
                 pipe.zrem(alive_key(r), pod_id)
             deleted, *_ = await pipe.execute()

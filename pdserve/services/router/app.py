@@ -40,7 +40,7 @@ from .models import ServedModel
 from .output_streams import OutputStreams
 from .pod_probe import probe_client
 from .params import generation_defaults
-from .prompts import PromptProcessor
+from .prompts import PromptProcessor, read_chat_template
 from .routes import router as routes
 from .serving import CompletionService, RouterState
 from .settings import RouterSettings
@@ -50,7 +50,7 @@ logger = logging.getLogger("pdserve.router")
 # How long a Redis command waits for a pooled connection when all are in use before it fails (ConnectionError,
 # which the relay retries like an outage); a relay's XREAD gives its connection back within a second.
 REDIS_POOL_WAIT_S = 20.0
-JSON_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"})
+JSON_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"})
 COUNTED_PATHS = JSON_PATHS | {"/v1/models", "/health", "/metrics", "/version"}
 
 
@@ -115,7 +115,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
     """Build the router app. ``processor`` and ``directory`` default to the model's tokenizer and a
     ``RegistryClient(settings.registry_url)``; tests pass their own to share a loaded tokenizer."""
     settings = settings or RouterSettings()
-    processor = processor or PromptProcessor(resolve_model(settings.model), settings.max_model_len)
+    processor = processor or PromptProcessor(resolve_model(settings.model), settings.max_model_len,
+                                             read_chat_template(settings.chat_template))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -14,6 +14,11 @@ The pod is drawn with probability ``softmax(-(cost - min cost) / temperature)``:
 keeps ``exp(-1/T)`` of the best one's weight, so a single hot prefix held by two equally loaded pods is
 spread over both instead of piling onto whichever sorts first; ``temperature == 0`` takes the cheapest,
 ties broken uniformly at random.
+
+With offloading tiers (docs/engine.md "KV offloading tiers") a pod may hold a leading block in its KV pool, its
+CPU tier or its disk tier; ``overlap_i`` is then the weighted count over the leading blocks held anywhere,
+``device + tier_weights["cpu"] * cpu + tier_weights["disk"] * disk`` (each block counted in its best medium), so
+the scores order device > CPU > disk > none. The weights are the fraction of a block's prefill a load saves.
 """
 
 from __future__ import annotations
@@ -30,11 +35,19 @@ ROUTING_MODES: tuple[str, ...] = ("kv", "round_robin", "least_loaded")
 
 @dataclass(slots=True)
 class Candidate:
-    """A decode pod as the scorer sees it: ``overlap`` leading prompt blocks cached, ``load`` requests."""
+    """A decode pod as the scorer sees it: ``overlap`` leading prompt blocks cached, ``load`` requests;
+    ``tier_overlap``: the registry's per-medium counts (``PodOverlap.tier_overlap``), empty without tiers."""
 
     pod: Any
     overlap: int
     load: float
+    tier_overlap: Mapping[str, int] | None = None
+
+    def weighted_overlap(self, tier_weights: Mapping[str, float] | None) -> float:
+        if not self.tier_overlap or tier_weights is None:
+            return self.overlap
+        return self.tier_overlap.get("device", 0) + sum(
+            w * self.tier_overlap.get(medium, 0) for medium, w in tier_weights.items())
 
 
 @dataclass(slots=True)
@@ -54,9 +67,12 @@ def pod_load(pod: Any, in_flight: Mapping[str, int]) -> int:
     return max(reported, int(in_flight.get(pod.pod_id, 0)))
 
 
-def costs(num_blocks: int, candidates: Sequence[Candidate], load_weight: float) -> list[float]:
-    """``(num_blocks - overlap) + load_weight * load`` per candidate (overlap clipped to the chain)."""
-    return [(num_blocks - min(max(c.overlap, 0), num_blocks)) + load_weight * c.load for c in candidates]
+def costs(num_blocks: int, candidates: Sequence[Candidate], load_weight: float,
+          tier_weights: Mapping[str, float] | None = None) -> list[float]:
+    """``(num_blocks - overlap) + load_weight * load`` per candidate (overlap clipped to the chain; weighted over
+    the media with ``tier_weights``, ``{"cpu": w, "disk": w}``)."""
+    return [(num_blocks - min(max(c.weighted_overlap(tier_weights), 0), num_blocks)) + load_weight * c.load
+            for c in candidates]
 
 
 def probabilities(cost: Sequence[float], temperature: float) -> list[float]:
@@ -71,11 +87,11 @@ def probabilities(cost: Sequence[float], temperature: float) -> list[float]:
 
 
 def choose(num_blocks: int, candidates: Sequence[Candidate], load_weight: float, temperature: float,
-           rng: random.Random | None = None) -> Choice:
+           rng: random.Random | None = None, tier_weights: Mapping[str, float] | None = None) -> Choice:
     """Draws a candidate by cost. Raises ``ValueError`` when there is none."""
     if not candidates:
         raise ValueError("no candidate pods")
-    cost = costs(num_blocks, candidates, load_weight)
+    cost = costs(num_blocks, candidates, load_weight, tier_weights)
     probs = probabilities(cost, temperature)
     r = (rng or random).random()
     acc = 0.0

@@ -34,6 +34,8 @@ class RouterMetrics:
                                 ["endpoint", "status"], registry=r)
         self.running = Gauge("pdserve:num_requests_running", "Requests this router is serving now",
                              m, registry=r).labels(model_name)
+        # 1 when the last /metrics scrape reached Redis, else 0 (the PdserveRedisUnreachable alert, docs/runbooks.md)
+        self.redis_up = Gauge("pdserve:redis_up", "1 if Redis answered at the last scrape, else 0", registry=r)
         self.queue_depth = Gauge("pdserve:prefill_queue_depth", "Entries in the prefill stream (XLEN)",
                                  m, registry=r).labels(model_name)
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token seen by the router",

@@ -18,6 +18,7 @@ from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingPara
 
 from .errors import OpenAIError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .tool_calls import ToolPlan
 
 # generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
 _GENERATION_DEFAULTS = {
@@ -55,6 +56,7 @@ class RequestPlan:
     prompts: list[list[int]]
     sampling: list[dict[str, Any]]
     n: int
+    tools: ToolPlan | None = None  # chat: how the output is read for tool calls (tool_calls.py)
 
     def choice_params(self, prompt_index: int, choice: int) -> SamplingParams:
         """Choice ``choice``'s params; raises ``OpenAIError`` 400 when ``seed + choice`` leaves the seed range."""
@@ -90,8 +92,6 @@ def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
         # vLLM V1 refuses best_of > 1 too ("vLLM V1 does not yet support best_of").
         raise bad_request("best_of is not supported (only null, 1 or equal to n)", "best_of")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise bad_request("tools is not supported (no tool-call parser)", "tools")
         if req.functions:
             raise bad_request("functions is not supported (no tool-call parser)", "functions")
         if req.function_call not in (None, "none", "auto"):
@@ -99,9 +99,6 @@ def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
                               "function_call")
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice other than 'none' or 'auto' is not supported (no tool-call parser)",
-                              "tool_choice")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise bad_request("response_format other than {'type': 'text'} is not supported (no structured "
                               "output)", "response_format")
@@ -196,11 +193,24 @@ def logit_bias_by_id(bias: dict[str, Any] | None) -> dict[int, Any] | None:
     return out
 
 
+def with_structured_outputs(values: dict[str, Any], structured: dict[str, Any] | None, param: str) -> None:
+    """Put guided decoding's ``structured_outputs`` (vLLM's ``StructuredOutputsParams`` shape, e.g.
+    ``{"json": schema}``) into the sampling values; a 400 naming ``param`` while the engine's ``SamplingParams``
+    has no such field (the request would run unguided, and its output would not follow the schema)."""
+    if structured is None:
+        return
+    if "structured_outputs" not in SamplingParams.__dataclass_fields__:
+        raise bad_request(f"{param} needs guided decoding (structured outputs), which this server does not support",
+                          param)
+    values["structured_outputs"] = structured
+
+
 def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
-                          defaults: dict[str, Any], tokenizer: Any = None, vocab_size: int | None = None
-                          ) -> dict[str, Any]:
+                          defaults: dict[str, Any], tokenizer: Any = None, vocab_size: int | None = None,
+                          structured: tuple[dict[str, Any], str] | None = None) -> dict[str, Any]:
     """Validated ``SamplingParams.to_dict()`` for one choice (n = 1) of ``req``. ``tokenizer`` turns
-    ``bad_words`` into token ids; ``vocab_size`` bounds every token id of the logits processors."""
+    ``bad_words`` into token ids; ``vocab_size`` bounds every token id of the logits processors;
+    ``structured``: guided decoding's ``structured_outputs`` and the request field that asked for it."""
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
@@ -230,6 +240,8 @@ def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_to
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
     )
+    if structured is not None:
+        with_structured_outputs(values, *structured)
     try:
         params = SamplingParams.from_dict(values)
         if tokenizer is not None:

@@ -51,11 +51,14 @@ def pick_decode_pod(pods: Sequence[PodLike], in_flight: Counter[str]) -> PodLike
 
 @dataclass(slots=True)
 class RoutingConfig:
-    """``mode``: kv | least_loaded | round_robin; ``load_weight``: blocks per request; ``temperature``: blocks."""
+    """``mode``: kv | least_loaded | round_robin; ``load_weight``: blocks per request; ``temperature``: blocks;
+    ``cpu_weight``/``disk_weight``: what a block in a pod's CPU/disk tier is worth against one in its KV pool."""
 
     mode: str = "kv"
     load_weight: float = 8.0
     temperature: float = 1.0
+    cpu_weight: float = 0.9
+    disk_weight: float = 0.7
 
 
 @dataclass(slots=True)
@@ -136,14 +139,16 @@ class Placer:
         # a pod with another block size hashes other blocks: it holds none of this chain
         self.block_size = int(Counter(int(o.pod.block_size) for o in reply.pods).most_common(1)[0][0])
         listed = await self.view.reachable(reply.pods, lambda o: o.pod)
-        candidates = [Candidate(o.pod, o.overlap if int(o.pod.block_size) == block_size else 0,
-                                pod_load(o.pod, self.in_flight)) for o in listed]
+        candidates = [Candidate(o.pod, o.overlap, pod_load(o.pod, self.in_flight), o.tier_overlap)
+                      if int(o.pod.block_size) == block_size else Candidate(o.pod, 0, pod_load(o.pod, self.in_flight))
+                      for o in listed]
         # Prefer pods whose last heartbeat shows room for this prompt's uncached blocks: on a full pod the request
         # waits for blocks to free up (the prefill pod holds it).
         room = [c for c in candidates if int(getattr(c.pod, "free_blocks", 0) or 0) > len(hashes) - c.overlap]
         if room:
             candidates = room
-        choice = choose(len(hashes), candidates, self.routing.load_weight, self.routing.temperature, self.rng)
+        choice = choose(len(hashes), candidates, self.routing.load_weight, self.routing.temperature, self.rng,
+                        {"cpu": self.routing.cpu_weight, "disk": self.routing.disk_weight})
         best = candidates[choice.index]
         pod, overlap = best.pod, best.overlap
         costs = {c.pod.pod_id: round(cost, 2) for c, cost in zip(candidates, choice.costs)}

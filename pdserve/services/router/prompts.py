@@ -32,6 +32,21 @@ def _message_text(message: ChatMessage, index: int) -> str | None:
     return "\n".join(texts)
 
 
+def _template_call(call: Any, index: int) -> dict[str, Any]:
+    """An assistant message's tool call as templates read it: ``arguments`` decoded to an object (vLLM does the
+    same; HF templates iterate or ``tojson`` it)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"messages[{index}]: tool_calls arguments are not valid JSON: {exc}", "messages") from exc
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The text of ``--chat-template``'s file (None: the model's own template)."""
+    return Path(path).read_text() if path else None
+
+
 def prompt_count(prompt: Any) -> int:
     """How many prompts a completions ``prompt`` holds: 1 for a string or one list of token ids, else the list's
     length (counted before tokenizing, so an oversized list is refused cheaply)."""
@@ -47,8 +62,9 @@ class PromptProcessor:
     ``max_position_embeddings``.
     """
 
-    def __init__(self, model_dir: Path, max_model_len: int | None = None) -> None:
+    def __init__(self, model_dir: Path, max_model_len: int | None = None, chat_template: str | None = None) -> None:
         self.model_dir = Path(model_dir)
+        self.chat_template = chat_template  # Jinja text used instead of the model's (--chat-template)
         self.tokenizer = load_tokenizer(self.model_dir)  # AutoTokenizer's tokenizer, without torch where it can
         config = json.loads((self.model_dir / "config.json").read_text())
         model_max = config.get("max_position_embeddings") or config.get("max_seq_len") or 2048
@@ -69,6 +85,10 @@ class PromptProcessor:
             item: dict[str, Any] = {"role": m.role, "content": _message_text(m, i) or ""}
             if m.name:
                 item["name"] = m.name
+            if m.tool_calls:
+                item["tool_calls"] = [_template_call(call, i) for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                item["tool_call_id"] = m.tool_call_id
             out.append(item)
         return out
 
@@ -84,7 +104,7 @@ class PromptProcessor:
             return self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools or None,
-                **(chat_template_kwargs or {}))
+                chat_template=self.chat_template, **(chat_template_kwargs or {}))
         except Exception as exc:  # jinja raises TemplateError and friends for conversations it refuses
             raise bad_request(f"The chat template could not render these messages: {exc}", "messages") from exc
 

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 from pdserve.shared.protocol.messages import OutputEvent, TokenLogprob
 
+from .tool_calls import ToolDeltas, ToolPlan, extract_output
+
 TokenStr = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
 
@@ -183,12 +185,13 @@ class ResponseBuilder:
                  include_usage: bool = False, continuous_usage: bool = False,
                  prompt_tokens_details: bool = False, echo: list[tuple[str, list[int]]] | None = None,
                  echo_only: bool = False, num_logprobs: int = 0, prompt_logprobs: int | None = None,
-                 token_bytes: TokenBytes | None = None) -> None:
+                 token_bytes: TokenBytes | None = None, tools: ToolPlan | None = None) -> None:
         """``echo``: per prompt, the text and token ids each of its choices starts with (completions: the prompt;
         chat: the last message's content, no ids). ``echo_only``: the request scores its prompt (``max_tokens=0``):
         the one token generated is left out. ``num_logprobs``: completions' ``logprobs`` (top entries of echoed
         prompt positions). ``prompt_logprobs``: vLLM's field, when asked. ``token_bytes``: a token's own bytes
-        (logprobs' ``bytes`` and ``text_offset``; default: its string's UTF-8)."""
+        (logprobs' ``bytes`` and ``text_offset``; default: its string's UTF-8). ``tools``: chat's tool-call plan
+        (tool_calls.py): the text becomes ``tool_calls`` as it says."""
         self.kind = kind
         self.id = response_id
         self.model = model
@@ -208,6 +211,8 @@ class ResponseBuilder:
         self.choices = [ChoiceState(index=i, prompt_tokens=prompt_lens[i // n])
                         for i in range(len(prompt_lens) * n)]
         self._opened: set[int] = set()  # chat choices whose role chunk went out
+        self.tools = tools if tools is not None and tools.mode != "none" and kind == "chat" else None
+        self._tool_deltas: dict[int, ToolDeltas] = {}
 
     @property
     def object_chunk(self) -> str:
@@ -246,6 +251,30 @@ class ResponseBuilder:
         chunk = self.on_event(choice_index, event)
         if chunk is not None:
             out.append(chunk)
+            if self.tools is not None:
+                out[-1:] = self._tool_chunks(choice_index, chunk, event.finished)
+        return out
+
+    def _tool_chunks(self, choice_index: int, chunk: dict[str, Any], finished: bool) -> list[dict[str, Any]]:
+        """``chunk``'s text through the choice's tool-call reader: the content it lets through, then one chunk
+        per ``tool_calls`` delta, then the finish (``tool_calls`` when the choice made calls)."""
+        deltas = self._tool_deltas.setdefault(choice_index, ToolDeltas(self.tools))
+        body = chunk["choices"][0]
+        content, calls = deltas.feed(body["delta"].get("content", ""))
+        if finished:
+            rest, more = deltas.finish()
+            content, calls = content + rest, calls + more
+        finish = body["finish_reason"]
+        out = []
+        if content or body["logprobs"] or (not calls and finish is None):
+            out.append(self._chunk([{**body, "delta": {"content": content}, "finish_reason": None}]))
+            out[-1]["choices"][0].pop("stop_reason", None)
+        out.extend(self._chunk([{"index": choice_index, "delta": {"tool_calls": [d]}, "logprobs": None,
+                                 "finish_reason": None}]) for d in calls)
+        if finish is not None:
+            reason = "tool_calls" if deltas.called and finish != "abort" else finish
+            out.append(self._chunk([{"index": choice_index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                     "stop_reason": body.get("stop_reason")}]))
         return out
 
     def on_event(self, choice_index: int, event: OutputEvent) -> dict[str, Any] | None:
@@ -315,8 +344,12 @@ class ResponseBuilder:
                 else:
                     logprobs = completion_logprobs(self.token_str, c.logprobs, 0, self.token_bytes)
             if self.kind == "chat":
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if self.tools is not None:
+                    extracted, finish = extract_output(self.tools, text, finish)
+                    message = {"role": "assistant", "content": extracted.content, "tool_calls": extracted.calls}
+                choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                                 "stop_reason": c.stop_reason})
             else:
                 choices.append({"index": c.index, "text": text, "logprobs": logprobs,

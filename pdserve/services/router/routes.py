@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.shared.protocol import keys
 
 from . import errors
+from .openai_responses import ResponsesRequest, ResponsesService
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .serving import CompletionService, GenerationRequest, RouterState
 
@@ -79,9 +80,11 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     st = _state(request)
     try:
-        st.metrics.queue_depth.set(await st.redis.xlen(keys.PREFILL_STREAM))
+        # bounded like /health: a scrape must not hang on a frozen Redis
+        st.metrics.queue_depth.set(await asyncio.wait_for(st.redis.xlen(keys.PREFILL_STREAM), HEALTH_TIMEOUT_S))
+        st.metrics.redis_up.set(1)
     except Exception:
-        pass  # Redis down: the other metrics are still worth scraping
+        st.metrics.redis_up.set(0)  # Redis down: the other metrics are still worth scraping
     return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -115,3 +118,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
     return await _create(request, body, "completion")
+
+
+# ---- Responses API (openai_responses.py) -------------------------------------------------------------------
+
+def _responses(request: Request) -> ResponsesService:
+    return ResponsesService(request.app.state.service)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Any:
+    return await _responses(request).create(body, api_key_id=getattr(request.state, "api_key_id", None),
+                                            is_disconnected=request.is_disconnected)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    return await _responses(request).retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    return await _responses(request).delete(response_id)

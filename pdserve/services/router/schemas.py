@@ -79,11 +79,40 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to one of them
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]  # OpenAI's rule
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: StrictBool | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    """One entry of ``tools`` (OpenAI's ``ChatCompletionToolParam``): only functions."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class _SamplingFields(_Body):
@@ -130,10 +159,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # Refused unless empty / "none" (params.check_cross_field): calling tools needs a tool parser, which pdserve
-    # lacks, and rendering them into the prompt while never returning tool calls would mislead the client.
-    tools: list[dict[str, Any]] | None = None
+    # tool_calls.py: tool_choice none | auto | required | {"type": "function", "function": {"name"}}
+    tools: list[ChatCompletionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = True
     functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated form of tools
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None

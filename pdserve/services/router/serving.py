@@ -42,6 +42,7 @@ from .responses import ResponseBuilder
 from .schemas import REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest
 from .settings import RouterSettings
 from .tenancy import tenant_cache_salt
+from .tool_calls import guided_schema, tool_plan
 
 logger = logging.getLogger("pdserve.router")
 REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
@@ -121,13 +122,13 @@ class CompletionService:
     async def plan(self, req: GenerationRequest, span: Any = None) -> RequestPlan:
         """Validate and tokenize: each prompt's token ids and sampling parameters. 400/404 ``OpenAIError``.
         ``span``: the request's root span (the steps are its children)."""
-        processor, settings = self.state.processor, self.settings
+        processor = self.state.processor
         with tracing.span("validate", span):
             self.model.check(req.model)
             check_cross_field(req)
             processor.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         with tracing.span("tokenize", span) as tokenize:
-            prompts, prompt_param = await self._tokenize(req)
+            prompts, prompt_param, tools, structured = await self._tokenize(req)
             tracing.set_attributes(tokenize, {"gen_ai.usage.input_tokens": sum(len(ids) for ids in prompts)})
         max_tokens, max_param = requested_max_tokens(req)
         limit = await self.state.dispatcher.context_limit(processor.max_model_len)
@@ -135,16 +136,24 @@ class CompletionService:
         for ids in prompts:
             effective = check_context(len(ids), max_tokens, limit, prompt_param, max_param)
             sampling.append(build_sampling_params(req, effective, self.state.defaults,
-                                                  getattr(processor, "tokenizer", None), processor.vocab_size))
-        return RequestPlan(prompts=prompts, sampling=sampling, n=req.n)
+                                                  getattr(processor, "tokenizer", None), processor.vocab_size,
+                                                  structured))
+        return RequestPlan(prompts=prompts, sampling=sampling, n=req.n, tools=tools)
 
-    async def _tokenize(self, req: GenerationRequest) -> tuple[list[list[int]], str]:
-        """Each prompt's token ids, and the parameter that holds the prompt (for errors)."""
+    async def _tokenize(self, req: GenerationRequest) -> tuple[list[list[int]], str, Any, Any]:
+        """Each prompt's token ids, the parameter that holds the prompt (for errors), the chat's tool plan and the
+        structured output its tool choice asks for (None, None for completions)."""
         processor, settings = self.state.processor, self.settings
+        tools, structured = None, None
         if isinstance(req, ChatCompletionRequest):
+            tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, settings.tool_call_parser,
+                              settings.enable_auto_tool_choice)
+            schema = guided_schema(req.tools or [], tools)
+            structured = ({"json": schema}, "tool_choice") if schema is not None else None
+            rendered = [t.model_dump(exclude_none=True) for t in req.tools or []]
             ids = await anyio.to_thread.run_sync(lambda: processor.chat_token_ids(
                 req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
-                tools=req.tools))
+                tools=rendered))
             prompts, prompt_param = [ids], "messages"
         else:
             listed = prompt_count(req.prompt)
@@ -154,7 +163,7 @@ class CompletionService:
             prompts = await anyio.to_thread.run_sync(
                 lambda: processor.prompt_token_ids(req.prompt, req.add_special_tokens))
             prompt_param = "prompt"
-        return prompts, prompt_param
+        return prompts, prompt_param, tools, structured
 
     # ---- submit ------------------------------------------------------------------------------------
 
@@ -241,7 +250,8 @@ class CompletionService:
                                prompt_tokens_details=settings.enable_prompt_tokens_details,
                                echo=echo_prefixes(req, plan.prompts, processor.decode), echo_only=echo_only(req),
                                num_logprobs=(req.logprobs or 0) if kind != "chat" else 0,
-                               prompt_logprobs=req.prompt_logprobs, token_bytes=processor.token_bytes)
+                               prompt_logprobs=req.prompt_logprobs, token_bytes=processor.token_bytes,
+                               tools=plan.tools)
 
     async def _dispatch_prompt(self, job: Job, plan: RequestPlan, prompt_index: int, cache_salt: str | None,
                                priority: int, arrival_wall: float) -> None:

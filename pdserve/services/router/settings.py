@@ -77,6 +77,12 @@ class RouterSettings(ServiceSettings):
     # kv: softmax temperature over costs, in blocks (0 = always the cheapest, ties at random).
     routing_temperature: float = Field(1.0, ge=0, description=(
         "kv routing: softmax temperature over costs, in blocks (0 = cheapest)."))
+    # kv: a prompt block a pod holds in its CPU / disk offloading tier counts this much of one in its KV pool (a
+    # load back is cheaper than a prefill but not free); device > CPU > disk > none (docs/routing.md).
+    routing_kv_cpu_weight: float = Field(0.9, ge=0, le=1, description=(
+        "kv routing: worth of a prompt block in a pod's CPU offloading tier, against one in its KV pool (0..1)."))
+    routing_kv_disk_weight: float = Field(0.7, ge=0, le=1, description=(
+        "kv routing: worth of a prompt block in a pod's disk offloading tier, against one in its KV pool (0..1)."))
     # How long a pod list from the registry is reused (s).
     registry_cache_s: float = Field(0.5, ge=0, description="How long a pod list from the registry is reused (s).")
     # A request that sees no output event for this long is aborted with 504 (s).
@@ -139,6 +145,18 @@ class RouterSettings(ServiceSettings):
         "A request body must arrive within this long of its head, else 408 (s)."))
     http_keep_alive_s: float = Field(5.0, gt=0, description=(
         "Close an idle keep-alive connection after this long (s)."))
+    # A Jinja chat template used instead of the model's (vLLM's --chat-template): a file, e.g. one with tool
+    # support (pdserve/services/router/templates/hermes_tools.jinja).
+    chat_template: str | None = Field(None, description="Chat template file used instead of the model's own.")
+    # How tool calls are read out of the model's text (tool_parsers.py), and whether tool_choice "auto" (the
+    # default with tools) is served: both needed for it, as in vLLM.
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(None, description=(
+        "Tool-call format in the model's text: hermes | llama3_json."))
+    enable_auto_tool_choice: bool = Field(False, description=(
+        'Serve tool_choice "auto" (needs --tool-call-parser).'))
+    # /v1/responses with store (the default): how long a stored response stays in Redis for GET and
+    # previous_response_id (s).
+    responses_ttl_s: int = Field(86400, gt=0, description="How long a stored /v1/responses response is kept (s).")
     log_level: str = Field("info", description="debug|info|warning|error.")
 
     @model_validator(mode="after")

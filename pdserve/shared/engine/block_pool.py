@@ -6,6 +6,8 @@ so a later request with the same prefix can take it back (``touch``) until ``get
 it from the *head* and evicts its hash. Callers free a request's blocks tail-first, so the tails of
 chains are evicted before their heads (a head is worth more: every longer prefix needs it).
 Block 0 is the null block: never handed out, kept zero (padding in block tables points at it).
+With offloading tiers (``kv_offload.py``), ``on_evict(block_hash, block_id)`` sees each cached block as it is
+evicted for reuse, while its KV is still in place.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ class KVCacheBlock:
 
 @dataclass(slots=True)
 class KVCacheEvent:
-    """``stored`` or ``removed`` block hashes, in order (for the block registry)."""
+    """``stored`` or ``removed`` block hashes, in order (for the block registry); ``medium``: the tier that
+    stored or removed them, ``device`` (the pool) or an offloading tier (``cpu``, ``disk``)."""
 
     kind: str
     block_hashes: list[BlockHash] = field(default_factory=list)
     parent_hash: BlockHash | None = None
+    medium: str = "device"
 
 
 class FreeKVCacheBlockQueue:
@@ -66,6 +70,7 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.enable_kv_events = enable_kv_events
         self.kv_event_queue: list[KVCacheEvent] = []
+        self.on_evict = None  # callable(block_hash, block_id), set when offloading tiers exist
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, including evictable cached ones)."""
@@ -94,10 +99,12 @@ class BlockPool:
             out.append(block)
         return out
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def _evict(self, block: KVCacheBlock, offload: bool = True) -> None:
         if block.block_hash is None:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
+            if offload and self.on_evict is not None:
+                self.on_evict(block.block_hash, block.block_id)
             del self.cached_block_hash_to_block[block.block_hash]
             if self.enable_kv_events:
                 self.kv_event_queue.append(KVCacheEvent("removed", [block.block_hash]))
@@ -143,8 +150,16 @@ class BlockPool:
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         for block in self.blocks[1:]:
-            self._evict(block)
+            self._evict(block, offload=False)
         return True
+
+    def cache_loaded_block(self, block: KVCacheBlock, block_hash: BlockHash, parent: BlockHash | None) -> None:
+        """Register a block whose KV was just loaded back from an offloading tier under its hash."""
+        assert block_hash not in self.cached_block_hash_to_block and block.block_hash is None
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+        if self.enable_kv_events:
+            self.kv_event_queue.append(KVCacheEvent("stored", [block_hash], parent))
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self.kv_event_queue = self.kv_event_queue, []

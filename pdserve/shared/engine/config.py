@@ -50,6 +50,11 @@ class EngineConfig:
         batch size (``pdserve/shared/engine/cuda_graphs.py``); CPU ignores it.
     max_cudagraph_capture_size: the largest decode batch with a graph (vLLM's name; default the smaller of 512 and
         ``max_num_seqs``); larger batches run eagerly.
+    kv_offloading_size: GiB of host memory for the CPU offloading tier (vLLM's ``--kv-offloading-size``); blocks
+        the prefix cache evicts from the pool go there instead of being dropped (``kv_offload.py``). None: no tier.
+    kv_offloading_disk_path / kv_offloading_disk_size: a local-disk tier below it (a directory; GiB of files),
+        kept across restarts. Offloading needs prefix caching and ``tensor_parallel_size`` 1 (docs/engine.md
+        "KV offloading tiers").
     speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; parsed into a ``SpeculativeConfig`` (None: off).
     """
@@ -77,6 +82,9 @@ class EngineConfig:
     tp_join_timeout_s: float = 60.0
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float = 8.0
 
     def __post_init__(self) -> None:
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
@@ -108,8 +116,18 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
         if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
             raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
+        self._check_offloading()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def _check_offloading(self) -> None:
+        if not self.kv_offloading_size and not self.kv_offloading_disk_path:
+            return
+        if (self.kv_offloading_size or 0) < 0 or self.kv_offloading_disk_size <= 0:
+            raise ValueError("kv_offloading_size must be >= 0 and kv_offloading_disk_size > 0 (GiB), got "
+                             f"{self.kv_offloading_size} and {self.kv_offloading_disk_size}")
+        if not self.enable_prefix_caching or self.tensor_parallel_size != 1:
+            raise ValueError("KV offloading tiers need enable_prefix_caching and tensor_parallel_size 1")
 
     def torch_dtype(self):
         """The ``torch.dtype`` that ``dtype`` names (``auto``: bf16 on CUDA, fp32 elsewhere)."""

@@ -56,6 +56,17 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}  # leading blocks of a request registered in the cache
         self.prefix_cache_stats = PrefixCacheStats()
+        self.offload = None  # kv_offload.KVOffloadManager: tiers below the pool (``set_offload``)
+
+    def set_offload(self, offload) -> None:
+        """Write blocks the pool evicts down ``offload``'s tiers and load prefix hits back from them."""
+        self.offload = offload
+        pool = self.block_pool
+        pool.on_evict = offload.offload
+        if pool.enable_kv_events:
+            offload.emit = lambda kind, hashes, medium: pool.kv_event_queue.append(
+                KVCacheEvent(kind, hashes, None, medium))
+            offload.announce()
 
     # prefix cache
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -65,11 +76,16 @@ class KVCacheManager:
         the hit is at most ``num_tokens - 1`` tokens, rounded down to whole blocks. A request that computes
         ``prompt_logprobs`` gets no hit (vLLM's rule): a cached block holds KV, not the logits of its positions.
         The caller records the lookup (``record_prefix_cache_stats``) once the request got its blocks.
+        With offloading tiers, a block missing from the pool but held by a tier is loaded back into a new
+        device block now (before the step that reads it) and counts as a hit.
         """
         if not self.enable_caching or request.prompt_logprobs is not None:
             return [], 0
         hashes = request.update_block_hashes(self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if self.offload is not None:
+            blocks = self._get_computed_blocks_tiered(hashes[:max_hit_blocks])
+            return blocks, len(blocks) * self.block_size
         blocks = []
         for h in hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(h)
@@ -77,6 +93,26 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
+
+    def _get_computed_blocks_tiered(self, hashes: list[BlockHash]) -> list[KVCacheBlock]:
+        # every block found is pinned until the walk ends, so that loading a later one cannot evict it
+        pool = self.block_pool
+        blocks: list[KVCacheBlock] = []
+        for i, h in enumerate(hashes):
+            block = pool.get_cached_block(h)
+            if block is not None:
+                pool.touch([block])
+            elif pool.get_num_free_blocks() and self.offload.tier_of(h) is not None:
+                block = pool.get_new_blocks(1)[0]  # may evict (offload) another block
+                if self.offload.load(h, block.block_id) is None:  # a bad disk file
+                    pool.free_blocks([block])
+                    break
+                pool.cache_loaded_block(block, h, hashes[i - 1] if i else None)
+            else:
+                break
+            blocks.append(block)
+        pool.free_blocks(reversed(blocks))
+        return blocks
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int, kind: str = "new") -> None:
         """Count one lookup of ``request`` (``kind``: see ``PrefixCacheStats``); nothing with caching off."""

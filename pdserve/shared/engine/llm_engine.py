@@ -25,6 +25,7 @@ from pdserve.shared.engine.cuda_graphs import build_decode_graphs
 from pdserve.shared.engine.executor import build_executor
 from pdserve.shared.engine.kv_cache import KVCacheSpec
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
+from pdserve.shared.engine.kv_offload import build_offload
 from pdserve.shared.engine.model_runner import ModelRunner
 from pdserve.shared.engine.output_processor import OutputProcessor
 from pdserve.shared.engine.outputs import RequestOutput
@@ -61,6 +62,9 @@ class LLMEngine:
         self.max_model_len = plan.max_model_len
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching,
                                          config.enable_kv_events)
+        self.offload = build_offload(config, self.model_dir, self.kv_spec, self.kv_cache)
+        if self.offload is not None:
+            self.kv_manager.set_offload(self.offload)
         swap = SwapManager(self.kv_manager, plan.num_cpu_blocks) if plan.num_cpu_blocks else None
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.preemption_mode, swap)
@@ -262,6 +266,10 @@ class LLMEngine:
         """Every block hash in the prefix cache now."""
         return self.kv_manager.cached_block_hashes()
 
+    def offloaded_block_hashes(self) -> dict[str, list[bytes]]:
+        """Every block hash the offloading tiers hold now: ``{"cpu": [...], "disk": [...]}`` ({} without tiers)."""
+        return self.offload.hashes() if self.offload is not None else {}
+
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (removals go out as KV events); False, and nothing done, while requests hold blocks."""
         return self.kv_manager.reset_prefix_cache()
@@ -274,4 +282,5 @@ class LLMEngine:
         return {**kv_and_scheduler_stats(self.scheduler, self.kv_manager), **self.stats.as_dict(),
                 "block_size": self.kv_spec.block_size, "max_model_len": self.max_model_len,
                 "tensor_parallel_size": self.config.tensor_parallel_size,
+                **(self.offload.get_stats() if self.offload is not None else {}),
                 **(self.spec.get_stats() if self.spec is not None else {})}

@@ -10,6 +10,8 @@ Streams:
                                  final event.
 Keys:
   ``pdserve:router:{router_id}`` a live router incarnation (TTL ``ROUTER_TTL_S``); requests name it as their owner.
+  ``pdserve:response:{id}``      a stored ``/v1/responses`` response and its conversation (JSON; TTL the router's
+                                 ``responses_ttl_s``).
 Abort:
   channel ``pdserve:abort`` carries a request id; key ``pdserve:aborted:{request_id}`` (TTL ``ABORTED_TTL_S``)
   lets a worker that was not subscribed at publish time (or dequeues the request later) see it too.
@@ -53,6 +55,11 @@ def output_stream(request_id: str) -> str:
 def router_key(router_id: str) -> str:
     """Exists (TTL ``ROUTER_TTL_S``) while the router incarnation ``router_id`` runs."""
     return f"pdserve:router:{router_id}"
+
+
+def response_key(response_id: str) -> str:
+    """A stored ``/v1/responses`` response (``store``), for GET, DELETE and ``previous_response_id``."""
+    return f"pdserve:response:{response_id}"
 
 
 def aborted_key(request_id: str) -> str:

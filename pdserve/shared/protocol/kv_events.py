@@ -16,6 +16,9 @@ Same scheme as vLLM's KV-event publisher (``KVEventBatch`` with a sequence numbe
 and NVIDIA Dynamo's KV router indexer.
 
 Block hashes travel as lowercase hex of the engine's 16-byte hashes (``pdserve/shared/protocol/block_hash.py``).
+Each event names its ``medium`` (vLLM's ``BlockStored.medium``): ``device`` (the KV pool's prefix cache) or an
+offloading tier, ``cpu`` or ``disk`` (docs/engine.md "KV offloading tiers"); the registry keeps one set per pod
+and medium, and a lookup reports how many leading blocks each pod holds in each.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pdserve.shared.protocol.registry import POD_ID_PATTERN, PodInfo, Role
 
 HEX_HASH_PATTERN = r"^(?:[0-9a-f]{2}){1,64}$"
 HexHash = Annotated[str, StringConstraints(pattern=HEX_HASH_PATTERN)]
+Medium = Literal["device", "cpu", "disk"]
+MEDIUMS: tuple[str, ...] = ("device", "cpu", "disk")  # best first: a block held in several counts in the first
 # Bounds of one request body: a batch is a few engine steps' events; a snapshot is one pod's cache.
 MAX_EVENTS_PER_BATCH = 100_000
 MAX_HASHES_PER_REQUEST = 4_000_000
@@ -42,6 +47,7 @@ class KVEvent(BaseModel):
     block_hashes: list[HexHash] = Field(max_length=MAX_HASHES_PER_REQUEST)
     # the stored chain's parent block (informational: the registry keeps a set per pod)
     parent_hash: HexHash | None = None
+    medium: Medium = "device"
 
 
 class KVEventBatch(BaseModel):
@@ -57,6 +63,9 @@ class KVSnapshot(BaseModel):
     epoch: str = Field(min_length=1, max_length=64)
     seq: int = Field(ge=0)
     block_hashes: list[HexHash] = Field(max_length=MAX_HASHES_PER_REQUEST)
+    # what the pod's offloading tiers hold (empty without tiers)
+    cpu_block_hashes: list[HexHash] = Field(default_factory=list, max_length=MAX_HASHES_PER_REQUEST)
+    disk_block_hashes: list[HexHash] = Field(default_factory=list, max_length=MAX_HASHES_PER_REQUEST)
 
 
 class KVEventsReply(BaseModel):
@@ -75,10 +84,13 @@ class KVLookup(BaseModel):
 
 
 class PodOverlap(BaseModel):
-    """An alive pod's load (its last heartbeat) and ``overlap``: how many leading blocks of the chain it holds."""
+    """An alive pod's load (its last heartbeat) and ``overlap``: how many leading blocks of the chain its KV pool
+    holds. ``tier_overlap``: over the leading blocks it holds in any medium, how many each medium is the best
+    one for (``{"device": 3, "cpu": 2, "disk": 0}``); empty from a registry that does not index tiers."""
 
     pod: PodInfo
     overlap: int = Field(ge=0)
+    tier_overlap: dict[Medium, int] = Field(default_factory=dict)
 
 
 class KVLookupReply(BaseModel):

@@ -186,10 +186,10 @@ class Worker:
         self._drain_kv_events()
         return self.engine.get_stats()
 
-    async def _kv_snapshot(self) -> tuple[int, list[bytes]]:
-        def state() -> tuple[int, list[bytes]]:
+    async def _kv_snapshot(self) -> tuple[int, list[bytes], dict[str, list[bytes]]]:
+        def state() -> tuple[int, list[bytes], dict[str, list[bytes]]]:
             self._drain_kv_events()
-            return self.kv_events.last_seq, self.engine.cached_block_hashes()
+            return self.kv_events.last_seq, self.engine.cached_block_hashes(), self.engine.offloaded_block_hashes()
         return await self.engine_thread.acall(state)
 
     def silent_requests(self, before: float) -> list[str]:

@@ -22,12 +22,13 @@ class KVEventPublisher:
     the engine's order. ``run`` (a task on the worker's loop) sends what was recorded, in order; a batch
     that fails to send is dropped — the gap it leaves makes the registry ask for a resync, which
     ``snapshot_fn`` answers (an awaitable that, on the engine thread, calls ``record`` with the pending
-    events and returns ``(last_seq, all cached hashes)``).
+    events and returns ``(last_seq, all cached hashes)``, or with a third item, the offloading tiers' hashes
+    ``{"cpu": [...], "disk": [...]}``).
     """
 
     def __init__(self, send_batch: Callable[[KVEventBatch], Awaitable[KVEventsReply]],
                  send_snapshot: Callable[[KVSnapshot], Awaitable[KVEventsReply]], pod_id: str,
-                 snapshot_fn: Callable[[], Awaitable[tuple[int, list[bytes]]]], *, retry_s: float = 1.0) -> None:
+                 snapshot_fn: Callable[[], Awaitable[tuple]], *, retry_s: float = 1.0) -> None:
         self.send_batch = send_batch
         self.send_snapshot = send_snapshot
         self.pod_id = pod_id
@@ -55,7 +56,8 @@ class KVEventPublisher:
                 self.last_seq += 1
                 self._pending.append(KVEvent(
                     seq=self.last_seq, kind=e.kind, block_hashes=[h.hex() for h in e.block_hashes],
-                    parent_hash=e.parent_hash.hex() if e.parent_hash is not None else None))
+                    parent_hash=e.parent_hash.hex() if e.parent_hash is not None else None,
+                    medium=getattr(e, "medium", "device")))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
@@ -96,11 +98,14 @@ class KVEventPublisher:
                 await self.resync()
 
     async def resync(self) -> None:
-        seq, hashes = await self.snapshot_fn()
+        seq, hashes, *tiers = await self.snapshot_fn()  # (seq, hashes[, {"cpu": [...], "disk": [...]}])
+        tiers = tiers[0] if tiers else {}
         with self._lock:  # events up to seq are in the snapshot
             self._pending = [e for e in self._pending if e.seq > seq]
         await self.send_snapshot(KVSnapshot(pod_id=self.pod_id, epoch=self.epoch, seq=seq,
-                                            block_hashes=[h.hex() for h in hashes]))
+                                            block_hashes=[h.hex() for h in hashes],
+                                            cpu_block_hashes=[h.hex() for h in tiers.get("cpu", ())],
+                                            disk_block_hashes=[h.hex() for h in tiers.get("disk", ())]))
         self._need_resync = False
         self.resyncs += 1
         log.info("KV state of %s resynchronised: %d blocks as of event %d", self.pod_id, len(hashes), seq)

@@ -36,6 +36,20 @@ _COUNTERS = {
     "spec_decode_num_draft_tokens": ("pdserve:spec_decode_num_draft_tokens", "Draft tokens proposed and verified"),
     "spec_decode_num_accepted_tokens": ("pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 }
+# offloading tiers (pdserve/shared/engine/kv_offload.py): engine stat ``kv_offload_<tier>_<key>`` -> a counter or
+# gauge with a ``tier`` label (``cpu``, ``disk``); absent stats (no tiers) leave them at 0
+_OFFLOAD_COUNTERS = {
+    "hit_tokens": "Prompt tokens whose KV was loaded back from this tier (part of prefix_cache_hits)",
+    "bytes_written": "KV bytes written to this tier",
+    "bytes_loaded": "KV bytes loaded back from this tier into the pool",
+    "blocks_loaded": "KV blocks loaded back from this tier",
+    "load_seconds": "Time spent loading blocks back from this tier (s; divide by blocks_loaded for the mean)",
+    "evictions": "KV blocks pushed out of this tier (CPU: on to disk, if any; disk: dropped)",
+    "bad_files": "Torn, corrupted or foreign block files skipped (never loaded)",
+    "writes_refused": "Block writes the tier refused (disk full, I/O error); serving went on without them",
+}
+_OFFLOAD_GAUGES = {"blocks_used": "KV blocks this tier holds", "blocks_total": "KV blocks this tier can hold"}
+
 # engine stats that are derived: a queries/hits counter above counts only new requests' lookups
 _DERIVED = {
     "prefix_cache_queries": lambda s: s["prefix_cache_queries"] - s.get("prefix_cache_transfer_queries", 0),
@@ -103,6 +117,13 @@ class WorkerMetrics:
         self.queue_depth = Gauge("pdserve:prefill_queue_depth", "Messages in the prefill queue", names, registry=r).labels(**labels)
         self.queue_tokens = Gauge("pdserve:prefill_queue_tokens", "Prompt tokens taken from the queue, not yet prefilled",
                                   names, registry=r).labels(**labels)
+        self.offload_counters = {
+            key: Counter(f"pdserve:kv_offload_{key}", doc, names + ["tier"], registry=r) for key, doc in _OFFLOAD_COUNTERS.items()
+        }
+        self.offload_gauges = {
+            key: Gauge(f"pdserve:kv_offload_{key}", doc, names + ["tier"], registry=r) for key, doc in _OFFLOAD_GAUGES.items()
+        }
+        self._last_offload: dict[str, float] = {}
         self.requests_failed = Counter("pdserve:request_failures", "Requests that ended with an error", names, registry=r).labels(**labels)
         self.requests_orphaned = Counter("pdserve:requests_orphaned", "Requests dropped because the router relaying "
                                          "them is gone", names, registry=r).labels(**labels)
@@ -130,12 +151,27 @@ class WorkerMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last[key] = value
+        self._update_offload(stats)
         per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", ())
         for pos, value in enumerate(per_pos):
             last = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
             if value > last:
                 self.spec_per_pos.labels(**self.labels, position=str(pos)).inc(value - last)
         self._last_per_pos = list(per_pos)
+
+    def _update_offload(self, stats: dict) -> None:
+        if "kv_offload_cpu_blocks_total" not in stats:
+            return
+        for tier in ("cpu", "disk"):
+            for key, gauge in self.offload_gauges.items():
+                gauge.labels(**self.labels, tier=tier).set(stats[f"kv_offload_{tier}_{key}"])
+            for key, counter in self.offload_counters.items():
+                name = f"kv_offload_{tier}_{key}"
+                delta = stats[name] - self._last_offload.get(name, 0)
+                child = counter.labels(**self.labels, tier=tier)  # shown at 0 from the first update
+                if delta > 0:
+                    child.inc(delta)
+                self._last_offload[name] = stats[name]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -63,6 +63,12 @@ class WorkerSettings(ServiceSettings):
     kv_cache_memory: str | None = Field(None, description="KV cache size, e.g. 512MiB.")
     preemption_mode: Literal["recompute", "swap"] = Field("recompute", description=(
         "When KV blocks run out: recompute a preempted request later, or swap its KV to a CPU pool."))
+    # offloading tiers below the KV pool (vLLM's names; docs/engine.md "KV offloading tiers")
+    kv_offloading_size: float | None = Field(None, ge=0, description=(
+        "GiB of host memory for the CPU tier that blocks evicted from the KV pool go to (default: none)."))
+    kv_offloading_disk_path: str | None = Field(None, description=(
+        "Directory of a local-disk tier below the CPU tier; this pod uses <path>/<pod id>, kept across restarts."))
+    kv_offloading_disk_size: float = Field(8.0, gt=0, description="GiB of block files the disk tier may hold.")
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = Field("auto", description="Attention kernels.")
     device: str = Field("cpu", description="cpu|cuda.")
     # CUDA graphs for decode batches (pdserve/shared/engine/cuda_graphs.py); vLLM's names
@@ -100,4 +106,8 @@ class WorkerSettings(ServiceSettings):
             nnodes=self.nnodes, master_port=self.master_port if self.nnodes > 1 else 0,
             tp_join_timeout_s=self.tp_join_timeout_s, enforce_eager=self.enforce_eager,
             max_cudagraph_capture_size=self.max_cudagraph_capture_size,
+            kv_offloading_size=self.kv_offloading_size, kv_offloading_disk_size=self.kv_offloading_disk_size,
+            # one directory per pod: a restarted pod (same pod id) finds its own blocks, two pods never mix files
+            kv_offloading_disk_path=(os.path.join(self.kv_offloading_disk_path, self.pod_id)
+                                     if self.kv_offloading_disk_path else None),
         )
