@@ -15,6 +15,7 @@ import pytest
 
 from pdserve.loadtest.sse import read_chunks
 from support.ensemble import Ensemble
+from support.otlp_receiver import OTLPReceiver
 
 openai = pytest.importorskip("openai")
 
@@ -25,9 +26,17 @@ LENGTHS = [1, 15, 16, 17, 33, 120]
 
 
 @pytest.fixture(scope="module")
-def ensemble(tmp_path_factory):
+def otlp():
+    with OTLPReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def ensemble(tmp_path_factory, otlp):
+    # Every process exports its spans to the in-test receiver (docs/observability.md "Tracing"), 50 ms batches.
     with Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32", log_dir=tmp_path_factory.mktemp("up"),
-                  env={"PDSERVE_ENABLE_PROMPT_TOKENS_DETAILS": "true"}) as ens:
+                  env={"PDSERVE_ENABLE_PROMPT_TOKENS_DETAILS": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
+                       "OTEL_BSP_SCHEDULE_DELAY": "50"}) as ens:
         yield ens
 
 
@@ -279,3 +288,74 @@ def test_responses_conversation_continues_from_the_stored_one_with_a_prefix_cach
     common = next((i for i, (a, b) in enumerate(zip(before, prompt)) if a != b), len(before))
     assert second.usage.input_tokens_details.cached_tokens >= 16 * (common // 16) >= 32
     assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+# ---- tracing ----------------------------------------------------------------------------------------------
+
+ROUTER_STEPS = {"validate", "tokenize", "admission", "route"}
+ROOT_CHILDREN = ROUTER_STEPS | {"queue", "prefill", "kv_transfer", "decode"}
+TRANSFER_CHILDREN = {"reserve", "blocks", "commit"}
+
+
+def kv_sent_bytes(pod: dict) -> float:
+    text = httpx.get(f"http://{pod['host']}:{pod['http_port']}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:kv_transfer_sent_bytes_total"))
+
+
+def covered_s(spans, start_ns: int, end_ns: int) -> float:
+    """Seconds of [start_ns, end_ns] inside at least one of the spans (the union of their intervals)."""
+    covered, cursor = 0, start_ns
+    for s in sorted(spans, key=lambda s: s.start_ns):
+        lo, hi = max(s.start_ns, cursor), min(s.end_ns, end_ns)
+        if hi > lo:
+            covered += hi - lo
+            cursor = hi
+    return covered / 1e9
+
+
+def test_one_request_is_one_trace_through_router_queue_prefill_transfer_and_decode(ensemble, otlp, prompt_of):
+    """Oracles: the client's own trace context, the prefill pod's byte counter, the client's stopwatch."""
+    (prefill,) = ensemble.pods("prefill")
+    before = kv_sent_bytes(prefill)
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    prompt = prompt_of(100)  # above any local-prefill threshold: the hand-over path
+    started = time.perf_counter()
+    resp = httpx.post(f"{ensemble.router_url}/v1/completions", timeout=120,
+                      headers={"traceparent": f"00-{client_trace}-{client_span}-01"},
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    wall_s = time.perf_counter() - started
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+
+    spans = otlp.wait_for(lambda got: {s.name for s in got if s.trace_id == client_trace} >=
+                          ROOT_CHILDREN | TRANSFER_CHILDREN | {f"text_completion {MODEL}"})
+    spans = [s for s in spans if s.trace_id == client_trace]
+    (root,) = [s for s in spans if s.parent_span_id == client_span]  # the client's traceparent is honoured
+    assert root.name == f"text_completion {MODEL}" and root.service == "pdserve-router"
+    assert root.attributes["gen_ai.request.model"] == MODEL
+    assert root.attributes["gen_ai.usage.input_tokens"] == body["usage"]["prompt_tokens"] == 100
+    assert root.attributes["gen_ai.usage.output_tokens"] == body["usage"]["completion_tokens"]
+    assert root.attributes["gen_ai.response.finish_reasons"] == [body["choices"][0]["finish_reason"]]
+    by_name = {s.name: s for s in spans}
+    assert {by_name[n].service for n in ROUTER_STEPS} == {"pdserve-router"}
+    assert {by_name[n].service for n in ("queue", "prefill", "kv_transfer", *TRANSFER_CHILDREN)} == {"pdserve-prefill"}
+    assert by_name["decode"].service == "pdserve-decode"
+    assert all(by_name[n].parent_span_id == root.span_id for n in ROOT_CHILDREN)
+    assert all(by_name[n].parent_span_id == by_name["kv_transfer"].span_id for n in TRANSFER_CHILDREN)
+    assert by_name["route"].attributes["pdserve.prefill"] == "remote"
+    assert by_name["route"].attributes["pdserve.decode_pod"] == by_name["decode"].resource["service.instance.id"]
+    assert by_name["decode"].attributes["gen_ai.usage.output_tokens"] == body["usage"]["completion_tokens"]
+    assert "first_token" in by_name["prefill"].events and "join_batch" in by_name["decode"].events
+
+    sent = by_name["blocks"].attributes["pdserve.kv.bytes"]
+    assert sent > 0 and sent == kv_sent_bytes(prefill) - before
+
+    # What adds up: the root span (the router's arrival to its last event relayed) is the client's wall time
+    # less HTTP and JSON (within 10%), and the union of its children's intervals (router steps, queue wait,
+    # prefill, KV transfer, decode) covers 90% of the root: no hop of the request goes unaccounted for.
+    assert 0.9 * wall_s <= root.duration_s <= wall_s, (root.duration_s, wall_s)
+    children = [s for s in spans if s.parent_span_id == root.span_id]
+    timeline = [(s.name, (s.start_ns - root.start_ns) / 1e9, s.duration_s)
+                for s in sorted(children, key=lambda s: s.start_ns)]
+    assert covered_s(children, root.start_ns, root.end_ns) >= 0.9 * root.duration_s, timeline

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from redis.exceptions import RedisError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
+from pdserve.shared import tracing
 from pdserve.shared.logs import logging_request
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
@@ -102,14 +103,17 @@ class DecodeReceiver:
         params = msg.sampling_params
         if await w.is_aborted(msg.request_id):
             return CommitReply(ok=False, error="request was aborted")
+        span = tracing.start("decode", msg.traceparent, {"pdserve.pod": w.settings.pod_id,
+                                                         "pdserve.prefill": "remote"})
         w.requests[msg.request_id] = Tracked(msg.arrival_time, params.logprobs, committed=time.time(),
-                                             router_id=msg.router_id, sent_first=True)
+                                             router_id=msg.router_id, sent_first=True, span=span)
         try:
             await w.engine_thread.acall(w.engine.commit, msg.request_id, msg.first_token_id, params,
                                         arrival_time=msg.arrival_time, output_token_ids=msg.output_token_ids,
                                         output_text_len=msg.output_text_len)
         except ValueError as exc:
             w.requests.pop(msg.request_id, None)
+            tracing.end(span, error=str(exc))
             return CommitReply(ok=False, error=str(exc))
         w.handed_over.add(msg.request_id)
         return CommitReply(ok=True)
@@ -263,12 +267,16 @@ class DecodeWorker(Worker):
             aborted = await pipe.execute()
         reqs = [req for req, gone in zip(reqs, aborted) if not gone and req.request_id not in self.aborted]
         for req in reqs:
+            span = tracing.start("decode", req.traceparent, {"pdserve.pod": self.settings.pod_id,
+                                                             "pdserve.prefill": "local",
+                                                             "gen_ai.usage.input_tokens": req.prompt_tokens})
             self.requests[req.request_id] = Tracked(req.arrival_time, req.sampling_params.logprobs,
-                                                    admitted=time.time(), router_id=req.router_id)
+                                                    admitted=time.time(), router_id=req.router_id, span=span)
         errors = await self.engine_thread.acall(self._add_requests, reqs)
         for req, exc in zip(reqs, errors):
             if exc is not None:
-                self.requests.pop(req.request_id, None)
+                info = self.requests.pop(req.request_id, None)
+                tracing.end(info.span if info else None, error=str(exc))
                 with logging_request(req.request_id):
                     await self._fail(req.request_id, str(exc))
 

@@ -21,6 +21,7 @@ import time
 from redis.exceptions import RedisError
 
 from pdserve.shared.engine.llm_engine import RequestRejected
+from pdserve.shared import tracing
 from pdserve.shared.logs import logging_request, request_id
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
@@ -261,6 +262,9 @@ class PrefillWorker(Worker):
                 await self._ack(msg_id)
             return None  # else our own reclaim loop delivered the entry we hold
         self._admitting[req.request_id] = msg_id  # no await between the check and this
+        tracing.record("queue", req.traceparent, enqueued_at(msg_id), time.time(), {
+            "messaging.system": "redis", "messaging.destination.name": keys.PREFILL_STREAM,
+            "pdserve.pod": self.settings.pod_id}, kind="consumer")
         return req
 
     async def _admit_new(self, ready: list[tuple[object, PrefillRequest]]) -> None:
@@ -276,8 +280,11 @@ class PrefillWorker(Worker):
                 await self._ack(msg_id)
                 continue
             self.inflight[req.request_id] = (msg_id, req)
+            span = tracing.start("prefill", req.traceparent, {"gen_ai.request.model": req.model,
+                                                              "gen_ai.usage.input_tokens": req.prompt_tokens,
+                                                              "pdserve.pod": self.settings.pod_id})
             self.requests[req.request_id] = Tracked(req.arrival_time, req.sampling_params.logprobs,
-                                                    admitted=time.time())
+                                                    admitted=time.time(), span=span)
             admitted.append((msg_id, req))
         if not admitted:
             return
@@ -322,7 +329,9 @@ class PrefillWorker(Worker):
     def _forget(self, request_id: str) -> None:
         if self.inflight.pop(request_id, None) is not None:
             self._slots.release()
-        self.requests.pop(request_id, None)
+        info = self.requests.pop(request_id, None)
+        if info is not None:
+            tracing.end(info.span, error="ended before its first token")
 
     async def _fail(self, msg_id, request_id: str, message: str, code: int, type_: str) -> None:
         self.metrics.requests_failed.inc()
@@ -346,8 +355,12 @@ class PrefillWorker(Worker):
         return self.engine.take_exports()
 
     async def handle_outputs(self, outputs, exported) -> None:
-        tracked = {o.request_id for o in outputs if o.request_id in self.requests}
+        tracked = {o.request_id: self.requests[o.request_id].span for o in outputs if o.request_id in self.requests}
         await self.publish_outputs(outputs)  # the first token: TTFT; failed requests are aborted (not in inflight)
+        for out in outputs:
+            span = tracked.get(out.request_id)
+            tracing.event(span, "first_token")
+            tracing.end(span, {"gen_ai.usage.cached_input_tokens": getattr(out, "num_cached_tokens", None)})
         for out in outputs:
             rid = out.request_id
             if rid not in tracked or rid not in self.inflight:
@@ -362,7 +375,7 @@ class PrefillWorker(Worker):
             task.add_done_callback(self.transfers.discard)
 
     # KV transfer
-    async def _reserve(self, client: KVTransferClient, req: PrefillRequest, msg: Reserve):
+    async def _reserve(self, client: KVTransferClient, req: PrefillRequest, msg: Reserve, span=None):
         """The decode pod's reservation. While it is full, wait in this pod's first-come-first-served line for
         it (only the line's head asks again, backing off to 1 s) until it has room, or until ``_wait_limit`` (the
         request's deadline, ``kv_wait_timeout_s``; none by default): then 503. The router hears keep-alive events
@@ -381,6 +394,7 @@ class PrefillWorker(Worker):
             raise RequestAborted(rid)
         logger.info("decode pod %s has no free KV blocks for request %s: waiting in line%s", req.decode_pod_id, rid,
                     "" if limit is None else f" (up to {limit[0]:.0f} s: {limit[1]})")
+        wait = tracing.start("kv_wait", span)  # for free decode blocks
         try:
             try:
                 await asyncio.wait_for(line.acquire(), None if limit is None else limit[0])
@@ -405,6 +419,7 @@ class PrefillWorker(Worker):
                                   f"{time.monotonic() - started:.0f} s ({limit[1]})")
         finally:
             self._kv_waiting.pop(rid, None)
+            tracing.end(wait)
 
     def _wait_limit(self, req: PrefillRequest) -> tuple[float, str] | None:
         """How long ``req`` may still wait for decode KV blocks (s) and what sets that, or None (no limit)."""
@@ -438,11 +453,14 @@ class PrefillWorker(Worker):
         started = time.perf_counter()
         held = kv.numel() * kv.element_size()
         self.waiting_kv_bytes += held
+        span = tracing.start("kv_transfer", req.traceparent, {"pdserve.decode_pod": req.decode_pod_id,
+                                                              "pdserve.pod": self.settings.pod_id})
         try:
             client = await self.clients.get(req.decode_host, req.decode_kv_port)
             kv_tokens = req.prompt_token_ids + req.output_token_ids  # a resumed request's output has KV too
-            reply = await self._reserve(client, req, Reserve(rid, kv_tokens, len(kv_tokens), block_hashes,
-                                                             req.cache_salt))
+            with tracing.span("reserve", span):
+                reply = await self._reserve(client, req, Reserve(rid, kv_tokens, len(kv_tokens), block_hashes,
+                                                                 req.cache_salt), span)
             if reply.duplicate:  # a worker that died before its XACK handed it over already: done
                 logger.info("request %s is already on decode pod %s; acknowledging the redelivered entry",
                             rid, req.decode_pod_id)
@@ -451,18 +469,23 @@ class PrefillWorker(Worker):
                 return
             if not reply.ok:
                 raise KVTransferError(f"decode pod {req.decode_pod_id} refused the reservation: {reply.error}")
-            skip = reply.num_cached_blocks
-            if skip < kv.shape[0]:
-                await client.send_blocks(rid, skip, kv[skip:])
+            skip, sent_bytes = reply.num_cached_blocks, kv[reply.num_cached_blocks:].numel() * kv.element_size()
+            with tracing.span("blocks", span, {"pdserve.kv.bytes": sent_bytes, "pdserve.kv.blocks": kv.shape[0] - skip,
+                                               "pdserve.kv.blocks_skipped": skip}):
+                if skip < kv.shape[0]:
+                    await client.send_blocks(rid, skip, kv[skip:])
             self.metrics.kv_transfer_blocks.inc(kv.shape[0] - skip)
             self.metrics.kv_transfer_blocks_skipped.inc(skip)
-            self.metrics.kv_transfer_bytes.inc(kv[skip:].numel() * kv.element_size())
-            commit = await client.commit(Commit(rid, first_token, req.sampling_params, req.prompt_token_ids,
-                                                req.arrival_time, req.deadline, out.metrics.get("first_token_time"),
-                                                req.output_token_ids, req.output_text_len, req.router_id))
+            self.metrics.kv_transfer_bytes.inc(sent_bytes)
+            with tracing.span("commit", span):
+                commit = await client.commit(Commit(
+                    rid, first_token, req.sampling_params, req.prompt_token_ids, req.arrival_time, req.deadline,
+                    out.metrics.get("first_token_time"), req.output_token_ids, req.output_text_len, req.router_id,
+                    traceparent=req.traceparent))
             if not commit.ok:
                 raise KVTransferError(f"decode pod {req.decode_pod_id} refused the hand-over: {commit.error}")
             self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
+            tracing.end(span, {"pdserve.kv.bytes": sent_bytes})
             self._forget(rid)
             await self._ack(msg_id)
             await self._mark(req, None)
@@ -483,6 +506,7 @@ class PrefillWorker(Worker):
                              "ServiceUnavailableError")
         finally:
             self.waiting_kv_bytes -= held
+            tracing.end(span, error="KV transfer did not complete")  # no-op once ended above
 
 
 def delivered_entry(fields, now: float) -> tuple[str | None, float]:
@@ -495,6 +519,12 @@ def delivered_entry(fields, now: float) -> tuple[str | None, float]:
     except Exception:  # a malformed entry: dropped with a log line by _check_entry
         return None, now
     return req.request_id, min(now, req.arrival_time or now)
+
+
+def enqueued_at(entry_id) -> float:
+    """When a Redis stream entry was added (unix s): its id is ``<milliseconds>-<sequence>``."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return int(text.split("-", 1)[0]) / 1000
 
 
 def describe(exc: BaseException) -> str:

@@ -76,6 +76,7 @@ class ChoiceSpec:
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     output_text_len: int = 0
+    traceparent: str | None = None  # the request's root span (PrefillRequest.traceparent)
 
 
 @dataclass(slots=True)
@@ -100,7 +101,7 @@ def build_requests(placement: Placement, prompt_token_ids: list[int], choices: S
         sampling_params=c.sampling_params, decode_pod_id=pod.pod_id, decode_host=pod.host,
         decode_kv_port=int(pod.kv_port), arrival_time=arrival, deadline=None, cache_salt=cache_salt,
         priority=priority, choice_index=c.choice_index, output_token_ids=c.output_token_ids,
-        output_text_len=c.output_text_len, router_id=router_id) for c in choices]
+        output_text_len=c.output_text_len, router_id=router_id, traceparent=c.traceparent) for c in choices]
 
 
 class Dispatcher:

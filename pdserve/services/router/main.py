@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from pdserve.shared import tracing
 from pdserve.shared.logs import setup_logging
 from pdserve.shared.settings import given, settings_options
 
@@ -24,6 +25,7 @@ def command(**flags: Any) -> None:
 
     settings = load_settings(**given(flags))
     setup_logging(settings.log_level)
+    tracing.setup("pdserve-router")  # on only when an OTLP endpoint is set (docs/observability.md "Tracing")
     app = create_app(settings)
     DrainingServer(server_config(app, settings), app.state.drain).run()  # SIGTERM drains first (drain.py)
 

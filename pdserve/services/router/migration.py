@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 from redis.exceptions import RedisError
 
+from pdserve.shared import tracing
+
 from .dispatch import ChoiceSpec
 from .errors import OpenAIError
 from .pod_probe import probe
@@ -125,7 +127,8 @@ class Migrator:
         new_id = f"{stem}~m{route.migrations}"
         await abort_requests(self.redis, [route.request_id])
         await self._drop_entry(route)
-        choice = ChoiceSpec(new_id, index, route.sampling_params, list(route.token_ids), route.text_len)
+        choice = ChoiceSpec(new_id, index, route.sampling_params, list(route.token_ids), route.text_len,
+                            traceparent=tracing.traceparent(getattr(self.job, "span", None)))
         sent_to = await self.dispatcher.send(placement, list(route.prompt_token_ids), [choice],
                                              cache_salt=route.cache_salt, priority=route.priority)
         stream, (entry,) = sent_to.stream, sent_to.entries
@@ -140,6 +143,9 @@ class Migrator:
         route.pod_health_url = health_url(placement.pod)
         route.queue_stream, route.queue_entry, route.queued_at, route.vanished = stream, entry, time.monotonic(), False
         route.pod_started_at = getattr(placement.pod, "started_at", None)
+        tracing.event(getattr(self.job, "span", None), "migration", {
+            "pdserve.from_pod": old_pod, "pdserve.to_pod": placement.pod.pod_id, "pdserve.reason": reason,
+            "gen_ai.usage.output_tokens": sent})
         if self.on_migrated is not None:
             self.on_migrated(reason)
         return True

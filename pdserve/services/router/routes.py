@@ -106,7 +106,8 @@ async def _create(request: Request, body: GenerationRequest, kind: str) -> Respo
     service: CompletionService = request.app.state.service
     return await service.create(body, kind, header_id=request.headers.get("x-request-id"),
                                 api_key_id=getattr(request.state, "api_key_id", None),
-                                is_disconnected=request.is_disconnected)
+                                is_disconnected=request.is_disconnected,
+                                traceparent=request.headers.get("traceparent"))
 
 
 @router.post("/v1/chat/completions")

@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
+from pdserve.shared import tracing
 from pdserve.shared.logs import request_id as log_request_id
 from pdserve.shared.protocol.messages import OutputEvent
 
@@ -87,6 +88,7 @@ class Job:
     routes: list[ChoiceRoute] = field(default_factory=list)  # per choice: its current request and tokens sent
     # choice index -> its prompt tokens, for the choices counted in Admission.queued until they are decoding
     waiting: dict[int, int] = field(default_factory=dict)
+    span: Any = None  # the request's root span (pdserve/shared/tracing.py); None: not traced
 
 
 def started_decoding(event: OutputEvent) -> bool:
@@ -117,12 +119,31 @@ class CompletionService:
 
     # ---- plan and admission -------------------------------------------------------------------------
 
-    async def plan(self, req: GenerationRequest) -> RequestPlan:
-        """Validate and tokenize: each prompt's token ids and sampling parameters. 400/404 ``OpenAIError``."""
+    async def plan(self, req: GenerationRequest, span: Any = None) -> RequestPlan:
+        """Validate and tokenize: each prompt's token ids and sampling parameters. 400/404 ``OpenAIError``.
+        ``span``: the request's root span (the steps are its children)."""
+        processor = self.state.processor
+        with tracing.span("validate", span):
+            self.model.check(req.model)
+            check_cross_field(req)
+            processor.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        with tracing.span("tokenize", span) as tokenize:
+            prompts, prompt_param, tools, structured = await self._tokenize(req)
+            tracing.set_attributes(tokenize, {"gen_ai.usage.input_tokens": sum(len(ids) for ids in prompts)})
+        max_tokens, max_param = requested_max_tokens(req)
+        limit = await self.state.dispatcher.context_limit(processor.max_model_len)
+        sampling = []
+        for ids in prompts:
+            effective = check_context(len(ids), max_tokens, limit, prompt_param, max_param)
+            sampling.append(build_sampling_params(req, effective, self.state.defaults,
+                                                  getattr(processor, "tokenizer", None), processor.vocab_size,
+                                                  structured))
+        return RequestPlan(prompts=prompts, sampling=sampling, n=req.n, tools=tools)
+
+    async def _tokenize(self, req: GenerationRequest) -> tuple[list[list[int]], str, Any, Any]:
+        """Each prompt's token ids, the parameter that holds the prompt (for errors), the chat's tool plan and the
+        structured output its tool choice asks for (None, None for completions)."""
         processor, settings = self.state.processor, self.settings
-        self.model.check(req.model)
-        check_cross_field(req)
-        processor.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         tools, structured = None, None
         if isinstance(req, ChatCompletionRequest):
             tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, settings.tool_call_parser,
@@ -142,33 +163,37 @@ class CompletionService:
             prompts = await anyio.to_thread.run_sync(
                 lambda: processor.prompt_token_ids(req.prompt, req.add_special_tokens))
             prompt_param = "prompt"
-        max_tokens, max_param = requested_max_tokens(req)
-        limit = await self.state.dispatcher.context_limit(processor.max_model_len)
-        sampling = []
-        for ids in prompts:
-            effective = check_context(len(ids), max_tokens, limit, prompt_param, max_param)
-            sampling.append(build_sampling_params(req, effective, self.state.defaults,
-                                                  getattr(processor, "tokenizer", None), processor.vocab_size,
-                                                  structured))
-        return RequestPlan(prompts=prompts, sampling=sampling, n=req.n, tools=tools)
+        return prompts, prompt_param, tools, structured
 
     # ---- submit ------------------------------------------------------------------------------------
 
     async def submit(self, req: GenerationRequest, kind: str, header_id: str | None = None,
-                     api_key_id: str | None = None) -> Job:
+                     api_key_id: str | None = None, traceparent: str | None = None) -> Job:
         """Plan, admit and enqueue every choice of ``req``. ``header_id``: the client's ``X-Request-Id``;
-        ``api_key_id``: which API key authenticated it (per-key cache salts). Errors: ``OpenAIError`` (400, 404,
-        429, 503), ``RedisError``; a request that fails part way has its queued choices aborted."""
+        ``api_key_id``: which API key authenticated it (per-key cache salts); ``traceparent``: the client's W3C
+        trace context (the request's root span joins its trace). Errors: ``OpenAIError`` (400, 404, 429, 503),
+        ``RedisError``; a request that fails part way has its queued choices aborted."""
         arrival_wall, arrival = time.time(), time.monotonic()
         response_id, client_chose = self.response_id(req, kind, header_id)
         # Every log line of this request names it from here on: this task's and those it starts (a stream's).
         # Each request runs in a task of its own, so the value ends with it. The workers' ids start with it.
         log_request_id.set(response_id)
-        plan = await self.plan(req)
+        span = self.root_span(req, kind, response_id, arrival_wall, traceparent)
+        try:
+            plan = await self.plan(req, span)
+        except BaseException as exc:
+            tracing.end(span, error=f"{type(exc).__name__}: {exc}")
+            raise
         st = self.state
-        st.admission.check([len(ids) for ids in plan.prompts], plan.n)
-        job = self.new_job(req, kind, plan, response_id, client_chose, arrival_wall, arrival)
-        st.admission.admit(job.waiting)
+        with tracing.span("admission", span):
+            try:
+                st.admission.check([len(ids) for ids in plan.prompts], plan.n)
+            except BaseException as exc:
+                tracing.end(span, error=f"{type(exc).__name__}: {exc}")
+                raise
+            job = self.new_job(req, kind, plan, response_id, client_chose, arrival_wall, arrival)
+            job.span = span
+            st.admission.admit(job.waiting)
         st.metrics.running.inc()
         cache_salt = tenant_cache_salt(req.cache_salt, api_key_id) if self.settings.cache_salt_per_api_key \
             else req.cache_salt
@@ -180,6 +205,20 @@ class CompletionService:
             await self.finish(job, aborted=bool(job.pods), reason="enqueue_failed")
             raise
         return job
+
+    def root_span(self, req: GenerationRequest, kind: str, response_id: str, arrival_wall: float,
+                  traceparent: str | None) -> Any:
+        """The request's root span (GenAI semantic conventions: named ``{operation} {model}``), a child of the
+        client's ``traceparent`` when it sent a valid one; None when tracing is off."""
+        if not tracing.enabled():
+            return None
+        operation = "chat" if kind == "chat" else "text_completion"
+        max_tokens, _ = requested_max_tokens(req)
+        return tracing.start(f"{operation} {self.settings.served_name}", traceparent, {
+            "gen_ai.operation.name": operation, "gen_ai.request.model": req.model,
+            "gen_ai.request.max_tokens": max_tokens, "gen_ai.request.temperature": req.temperature,
+            "gen_ai.request.top_p": req.top_p, "gen_ai.request.choice.count": req.n,
+            "gen_ai.response.id": response_id}, start_s=arrival_wall, kind="server")
 
     @staticmethod
     def response_id(req: GenerationRequest, kind: str, header_id: str | None) -> tuple[str, bool]:
@@ -219,10 +258,13 @@ class CompletionService:
         """Enqueue the n choices of one prompt and record their routes."""
         ids, n = plan.prompts[prompt_index], plan.n
         first = prompt_index * n
-        choices = [ChoiceSpec(job.request_ids[first + j], first + j, plan.choice_params(prompt_index, j))
-                   for j in range(n)]
-        sent = await self.state.dispatcher.dispatch(ids, choices, cache_salt=cache_salt, priority=priority,
-                                                    arrival_time=arrival_wall)
+        choices = [ChoiceSpec(job.request_ids[first + j], first + j, plan.choice_params(prompt_index, j),
+                              traceparent=tracing.traceparent(job.span)) for j in range(n)]
+        with tracing.span("route", job.span) as route:
+            sent = await self.state.dispatcher.dispatch(ids, choices, cache_salt=cache_salt, priority=priority,
+                                                        arrival_time=arrival_wall)
+            if route is not None:
+                tracing.set_attributes(route, route_attributes(sent))
         pod, local = sent.placement.pod, sent.placement.local_prefill
         job.pods.extend([pod.pod_id] * n)
         job.routes.extend(ChoiceRoute(c.request_id, pod.pod_id, c.prompt_token_ids, c.sampling_params,
@@ -246,6 +288,7 @@ class CompletionService:
             return
         job.closed = True
         st = self.state
+        self.end_span(job, aborted, reason)
         with anyio.CancelScope(shield=True):
             st.admission.release(job.waiting)
             st.metrics.running.dec()
@@ -259,6 +302,18 @@ class CompletionService:
             for pod_id in set(job.pods):
                 st.dispatcher.finished(pod_id, job.pods.count(pod_id))
             job.pods.clear()
+
+    @staticmethod
+    def end_span(job: Job, aborted: bool, reason: str) -> None:
+        """End the root span with the response's usage and finish reasons (GenAI conventions)."""
+        if job.span is None:
+            return
+        choices = job.builder.choices
+        tracing.end(job.span, {
+            "gen_ai.usage.input_tokens": sum(job.builder.prompt_lens),
+            "gen_ai.usage.output_tokens": sum(c.completion_tokens for c in choices),
+            "gen_ai.response.finish_reasons": [c.finish_reason or "error" for c in choices],
+            "pdserve.decode_pods": sorted(set(job.pods))}, error=reason if aborted else None)
 
     def record_finish(self, job: Job) -> None:
         """Count a completed job's usage and finish reasons (the metrics clients' usage sums to)."""
@@ -305,10 +360,22 @@ class CompletionService:
 
     async def create(self, req: GenerationRequest, kind: str, header_id: str | None = None,
                      api_key_id: str | None = None,
-                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> Response:
+                     is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                     traceparent: str | None = None) -> Response:
         """Serve one request: an SSE stream when ``req.stream``, else the whole JSON body once every choice
         finished (``is_disconnected`` polled meanwhile: a client gone aborts it with 499)."""
-        job = await self.submit(req, kind, header_id, api_key_id)
+        job = await self.submit(req, kind, header_id, api_key_id, traceparent)
         if req.stream:
             return delivery.stream_response(self, job)
         return await delivery.full_response(self, job, is_disconnected)
+
+
+def route_attributes(sent: Any) -> dict[str, Any]:
+    """The route span's attributes: the chosen decode pod, the prefill path and the placement's score."""
+    placement = sent.placement
+    return {"pdserve.decode_pod": placement.pod.pod_id,
+            "pdserve.prefill": "local" if placement.local_prefill else "remote",
+            "pdserve.route.reason": placement.why or "default",
+            "pdserve.route.cached_blocks": placement.cached_blocks, "pdserve.route.num_blocks": placement.num_blocks,
+            **{f"pdserve.route.cost.{k}": float(v) for k, v in placement.costs.items()},
+            "pdserve.queue": sent.stream}

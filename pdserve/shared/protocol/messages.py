@@ -90,6 +90,8 @@ class PrefillRequest:
     # The router incarnation relaying the output (``keys.router_key``): once it is gone, the decode pod drops
     # the request as an orphan. None: never dropped so.
     router_id: str | None = None
+    # W3C trace context of the router's request span (pdserve/shared/tracing.py); None: not traced
+    traceparent: str | None = None
 
     @property
     def prompt_tokens(self) -> int:

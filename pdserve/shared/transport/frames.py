@@ -199,6 +199,7 @@ class Commit:
     output_token_ids: list[int] = field(default_factory=list)
     output_text_len: int = 0
     router_id: str | None = None  # PrefillRequest.router_id
+    traceparent: str | None = None  # PrefillRequest.traceparent; left off the wire when None (older receivers)
 
 
 @dataclass(slots=True)
@@ -303,6 +304,8 @@ def frame_from_fields(type_name: Any, fields: Any) -> Frame:
 
 def _fields_of(frame: Frame) -> dict[str, Any]:
     out = {f.name: getattr(frame, f.name) for f in dc_fields(frame) if f.name != "payload"}
+    if out.get("traceparent", "") is None:  # a receiver before tracing refuses unknown fields
+        del out["traceparent"]
     return {k: v.to_dict() if isinstance(v, SamplingParams) else v for k, v in out.items()}
 
 

@@ -26,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.shared import tracing
 from pdserve.shared.engine.llm_engine import LLMEngine
 from pdserve.shared.models.tensor_parallel import TPShard
 from pdserve.shared.protocol import keys
@@ -46,6 +47,13 @@ from pdserve.shared.worker.tracked import Tracked
 logger = logging.getLogger(__name__)
 
 ABORT_MEMORY = 4096  # aborted request ids a worker remembers (Worker.aborted)
+
+
+def finish_attributes(out, event: OutputEvent) -> dict:
+    """A finished request's span attributes (GenAI conventions): output tokens, finish reason, preemptions."""
+    return {"gen_ai.usage.output_tokens": event.completion_tokens,
+            "gen_ai.response.finish_reasons": [event.finish_reason or "error"],
+            "pdserve.num_preemptions": (out.metrics or {}).get("num_preemptions", 0)}
 
 
 def exit_on_rank_death(error: Exception) -> None:
@@ -262,6 +270,7 @@ class Worker:
                 info.sent_first = True
             elif info.committed is not None:  # first step after a KV hand-over
                 self.metrics.first_decode_step.observe(now - info.committed)
+                tracing.event(info.span, "join_batch")
                 info.committed = None
             elif info.last is not None:
                 self.metrics.itl.observe(now - info.last)
@@ -269,6 +278,8 @@ class Worker:
             if event.finished:
                 self.metrics.e2e.observe(now - info.arrival_time)
                 self.requests.pop(out.request_id, None)
+                if info.span is not None:
+                    tracing.end(info.span, finish_attributes(out, event))
         return events
 
     # aborts
@@ -302,7 +313,10 @@ class Worker:
         self.aborted[request_id] = None
         if len(self.aborted) > ABORT_MEMORY:
             self.aborted.popitem(last=False)
-        if self.requests.pop(request_id, None) is not None or self.engine.owns(request_id):
+        info = self.requests.pop(request_id, None)
+        if info is not None:
+            tracing.end(info.span, error="aborted")
+        if info is not None or self.engine.owns(request_id):
             found = await self.engine_thread.acall(self.engine.abort_request, request_id)
             if found:
                 logger.info("request %s aborted", request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -14,6 +15,7 @@ class Tracked:
     KV hand-over. ``committed``: when its KV hand-over was committed here (the first decode step is timed from
     it; cleared once timed). ``router_id``: the router incarnation that owns it (None: none named).
     ``sent_first``: its first token was published. ``last``: when its last event was published.
+    ``span``: its span on this pod (``pdserve.shared.tracing``: prefill or decode); None when not traced.
     """
 
     arrival_time: float
@@ -23,3 +25,4 @@ class Tracked:
     router_id: str | None = None
     sent_first: bool = False
     last: float | None = None
+    span: Any = None
