@@ -4,7 +4,7 @@ The math is Hugging Face transformers' ``LlamaForCausalLM`` (RMSNorm in fp32, ro
 transformers' own rotary module, SiLU-gated MLP), restructured the vLLM way: the batch is a flat list
 of ``num_tokens`` tokens from many sequences, Q/K/V and gate/up projections are fused into one matmul
 each, every layer writes its new K/V into the paged cache and attends through the block tables.
-Qwen2's Q/K/V bias is supported; Mistral's sliding window is not (full attention is used).
+Qwen2's Q/K/V bias is supported; Mistral's sliding window is not applied: the engine refuses requests longer than it.
 On CPU (float32/bfloat16) the element-wise work runs in fused C kernels (``pdserve/kernels/cpu_elementwise.py``:
 residual add + RMSNorm, RoPE in place, SiLU * up) unless ``PDSERVE_FUSED_CPU=0``; they round as the
 PyTorch ops do. With fp32 weight copies (``Fp32WeightLinear``) those kernels also take the GEMMs' float32 output
@@ -198,6 +198,8 @@ class LlamaForCausalLM(nn.Module):
     ``tp``: this rank's shard under tensor parallelism (``pdserve/shared/models/tensor_parallel.py``); then the KV caches
     hold this rank's KV heads only, and the embedding and LM head are whole on every rank.
     """
+
+    applies_sliding_window = False  # the attention backends attend fully: the engine refuses requests past a window
 
     def __init__(self, config, backend, max_positions: int, tp: TPShard = TPShard()) -> None:
         super().__init__()

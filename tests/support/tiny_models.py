@@ -1,0 +1,54 @@
+"""Tiny random-weight models of every supported architecture, built with transformers' own config and model
+classes and saved locally (no weights can be downloaded here), with the SmolLM2 tokenizer.
+
+``tiny_model("qwen3")`` -> the directory of a 2-layer, hidden-64 model; built once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+# 4 query heads and 2 KV heads of 16 dims: tensor parallelism at 2 splits both
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+SLIDING_WINDOW = 12  # Mistral's window: shorter than the test prompts
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": SLIDING_WINDOW}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+}
+
+
+def build_tiny_model(arch: str, out, tokenizer_dir, seed: int = 0) -> None:
+    """Save a random-weight ``arch`` model (fp32 safetensors) and the tokenizer into ``out``."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = getattr(transformers, config_cls)(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                               eos_token_id=tok.eos_token_id, **COMMON, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():  # wider weights than the 0.02 init: logits far apart, so greedy ties are rare
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, model_dir):
+    built: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            build_tiny_model(arch, out, model_dir)
+            built[arch] = str(out)
+        return built[arch]
+
+    return get
