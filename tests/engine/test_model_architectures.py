@@ -23,3 +23,51 @@ def test_mistral_request_past_its_sliding_window_is_refused_naming_max_tokens(ti
     assert exc.value.param == "prompt"
     out = llm.generate([prompt_of(5)], SamplingParams(temperature=0, max_tokens=SLIDING_WINDOW - 5))
     assert len(out[0].outputs[0].token_ids) == SLIDING_WINDOW - 5
+
+
+ARCHS = ["llama", "qwen2", "mistral", "qwen3"]
+NEW = 5
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+def hf_greedy_of(model_dir, prompts, new):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(prompt_of):
+    return [prompt_of(3), prompt_of(7, offset=5)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_equal_hf_fp32(arch, tp, tiny_model, prompts):
+    want = hf_greedy_of(tiny_model(arch), prompts, NEW)
+    llm = LLM(tiny_model(arch), dtype="float32", tensor_parallel_size=tp)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == want
+
+
+def test_unsupported_architecture_is_refused_naming_the_supported_ones(tiny_model, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(tiny_model("llama"), tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as exc:
+        LLM(str(tmp_path / "m"), dtype="float32")
+    assert str(exc.value) == (
+        "Model architectures ['GPT2LMHeadModel'] are not supported for now. Supported architectures: "
+        "['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']")

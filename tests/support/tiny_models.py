@@ -32,10 +32,12 @@ def build_tiny_model(arch: str, out, tokenizer_dir, seed: int = 0) -> None:
                                                eos_token_id=tok.eos_token_id, **COMMON, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
-    with torch.no_grad():  # wider weights than the 0.02 init: logits far apart, so greedy ties are rare
-        for p in model.parameters():
+    with torch.no_grad():  # wider weights than the 0.02 init (logits far apart, so greedy ties are rare); biases and
+        for p in model.parameters():  # norm weights off their zero / one init, so that each one counts
             if p.dim() == 2:
                 p.mul_(4.0)
+            else:
+                p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(out)
     tok.save_pretrained(out)
 
