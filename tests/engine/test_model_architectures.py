@@ -7,26 +7,13 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.shared.engine.input_processor import RequestRejected
 from support.tiny_models import SLIDING_WINDOW
 
 pytestmark = pytest.mark.slow
 
 
-def test_mistral_request_past_its_sliding_window_is_refused_naming_max_tokens(tiny_model, prompt_of):
-    llm = LLM(tiny_model("mistral"), dtype="float32")
-    with pytest.raises(RequestRejected, match=f"sliding window of {SLIDING_WINDOW} tokens") as exc:
-        llm.generate([prompt_of(5)], SamplingParams(temperature=0, max_tokens=SLIDING_WINDOW))
-    assert exc.value.param == "max_tokens"
-    with pytest.raises(RequestRejected) as exc:
-        llm.generate([prompt_of(SLIDING_WINDOW)], SamplingParams(temperature=0, max_tokens=1))
-    assert exc.value.param == "prompt"
-    out = llm.generate([prompt_of(5)], SamplingParams(temperature=0, max_tokens=SLIDING_WINDOW - 5))
-    assert len(out[0].outputs[0].token_ids) == SLIDING_WINDOW - 5
-
-
 ARCHS = ["llama", "qwen2", "mistral", "qwen3"]
-NEW = 5
+NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
@@ -46,7 +33,8 @@ def hf_greedy_of(model_dir, prompts, new):
 
 @pytest.fixture(scope="module")
 def prompts(prompt_of):
-    return [prompt_of(3), prompt_of(7, offset=5)]
+    # Mistral's window (12 tokens) is passed in the prompt (the 17- and 33-token prompts: prefill) and during decode
+    return [prompt_of(3), prompt_of(9, offset=5), prompt_of(17, offset=11), prompt_of(33, offset=2)]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

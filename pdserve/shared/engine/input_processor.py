@@ -44,16 +44,10 @@ def eos_token_ids(model_config, tokenizer, model_dir: str) -> frozenset[int]:
 
 
 class InputProcessor:
-    """``sliding_window``: the narrowest attention window of a model whose window the engine does not apply
-    (None: none, or applied); a request whose prompt and completion would pass it is refused, since attending
-    past it fully would give a different answer from the model's."""
-
-    def __init__(self, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 sliding_window: int | None = None) -> None:
+    def __init__(self, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.sliding_window = sliding_window
 
     def validate_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
         """Check a prompt; returns the effective ``max_tokens``. Raises ``RequestRejected``: empty prompt,
@@ -77,17 +71,7 @@ class InputProcessor:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). Please reduce "
                 "the length of the prompt or the completion.", "max_tokens")
-        self.check_sliding_window(n, max_tokens)
         return max_tokens
-
-    def check_sliding_window(self, n: int, max_tokens: int) -> None:
-        w = self.sliding_window
-        if w is not None and n + max_tokens > w:
-            raise RequestRejected(
-                f"This model attends over a sliding window of {w} tokens, which this server does not apply yet, so "
-                f"a request may hold at most {w} tokens. However, you requested {n + max_tokens} tokens ({n} in the "
-                f"prompt, {max_tokens} in the completion). Please reduce the length of the prompt or the "
-                "completion.", "prompt" if n >= w else "max_tokens")
 
     def validate_output(self, output_token_ids: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
         """Check the output a resumed request already has; raises ``RequestRejected``."""

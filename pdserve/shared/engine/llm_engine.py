@@ -38,7 +38,6 @@ from pdserve.shared.engine.stats import EngineCounters, kv_and_scheduler_stats
 from pdserve.shared.engine.swap import SwapManager
 from pdserve.shared.models.loader import load_config
 from pdserve.shared.models.resolve import resolve_model
-from pdserve.shared.models.sliding_window import smallest_window
 
 __all__ = ["LLMEngine", "RequestRejected"]
 
@@ -72,8 +71,7 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer, self.model_dir)
         self.spec = SpecDecoder.for_engine(self)
-        self.input = InputProcessor(self.vocab_size, self.max_model_len, self.eos_token_ids,
-                                    None if self.model.applies_sliding_window else smallest_window(mc))
+        self.input = InputProcessor(self.vocab_size, self.max_model_len, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.prefill_export = PrefillExport(self.scheduler, self.kv_manager, self.kv_cache)
         self.decode_import = DecodeImport(self.scheduler, self.kv_manager, self.kv_cache)

@@ -4,7 +4,8 @@ The math is Hugging Face transformers' ``LlamaForCausalLM`` (RMSNorm in fp32, ro
 transformers' own rotary module, SiLU-gated MLP), restructured the vLLM way: the batch is a flat list
 of ``num_tokens`` tokens from many sequences, Q/K/V and gate/up projections are fused into one matmul
 each, every layer writes its new K/V into the paged cache and attends through the block tables.
-Qwen2's Q/K/V bias is supported; Mistral's sliding window is not applied: the engine refuses requests longer than it.
+Subclasses (``qwen2.py``, ``mistral.py``, ``qwen3.py``) switch Q/K/V bias and Q/K norm on; sliding windows are masked
+per layer (``sliding_window.py``).
 On CPU (float32/bfloat16) the element-wise work runs in fused C kernels (``pdserve/kernels/cpu_elementwise.py``:
 residual add + RMSNorm, RoPE in place, SiLU * up) unless ``PDSERVE_FUSED_CPU=0``; they round as the
 PyTorch ops do. With fp32 weight copies (``Fp32WeightLinear``) those kernels also take the GEMMs' float32 output
@@ -157,7 +158,11 @@ class LlamaAttention(nn.Module):
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, hd)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, hd)
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
-        o = self.backend.forward(q, k_cache, v_cache, md, self.scale).reshape(t, self.q_size)
+        if self.sliding_window is None:
+            o = self.backend.forward(q, k_cache, v_cache, md, self.scale)
+        else:
+            o = self.backend.forward(q, k_cache, v_cache, md, self.scale, self.sliding_window)
+        o = o.reshape(t, self.q_size)
         return self.o_proj.forward_f32(o) if f32_io else self.tp.all_reduce(self.o_proj(o))
 
 
@@ -223,7 +228,6 @@ class LlamaForCausalLM(nn.Module):
     hold this rank's KV heads only, and the embedding and LM head are whole on every rank.
     """
 
-    applies_sliding_window = False  # the attention backends attend fully: the engine refuses requests past a window
     qkv_bias = False  # Q/K/V projections with a bias (Qwen2); a config's ``attention_bias`` also turns it on
     qk_norm = False  # RMSNorm over each head of Q and K before RoPE (Qwen3)
     # checkpoint projections fused into one of ours, in order (vLLM's name)
@@ -243,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         meta = torch.empty(0).is_meta
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
             config.vocab_size, config.hidden_size) if meta else None)
-        windows = layer_sliding_windows(config) if self.applies_sliding_window else [None] * config.num_hidden_layers
+        windows = layer_sliding_windows(config)  # per layer: masked in attention, None for full attention
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend, tp, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, sliding_window=w)
             for w in windows)

@@ -22,8 +22,3 @@ def layer_sliding_windows(config) -> list[int | None]:
         return [int(window)] * n
     return [int(window) if t == "sliding_attention" else None for t in types]
 
-
-def smallest_window(config) -> int | None:
-    """The narrowest window any layer uses, or None when every layer attends fully."""
-    windows = [w for w in layer_sliding_windows(config) if w is not None]
-    return min(windows) if windows else None
