@@ -1,13 +1,14 @@
 """Every supported architecture (Llama, Qwen2, Mistral, Qwen3) on a tiny random-weight model built with
 transformers' own classes (``tests/support/tiny_models.py``): greedy tokens equal HF transformers' fp32
-``generate``, and what the engine cannot serve exactly is refused with a clear error."""
+``generate`` at TP=1 and TP=2 (Mistral past its window, in prefill and in decode), and an unsupported
+``architectures`` value is refused with one error naming the supported ones."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve import LLM, SamplingParams
-from support.tiny_models import SLIDING_WINDOW
+from support.tiny_models import hf_greedy_of
 
 pytestmark = pytest.mark.slow
 
@@ -15,20 +16,6 @@ pytestmark = pytest.mark.slow
 ARCHS = ["llama", "qwen2", "mistral", "qwen3"]
 NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-
-
-def hf_greedy_of(model_dir, prompts, new):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,21 @@ def build_tiny_model(arch: str, out, tokenizer_dir, seed: int = 0) -> None:
     tok.save_pretrained(out)
 
 
+def hf_greedy_of(model_dir, prompts, new: int) -> list[list[int]]:
+    """HF transformers' fp32 greedy continuation of each prompt, exactly ``new`` tokens (EOS not stopping it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, model_dir):
     built: dict[str, str] = {}
