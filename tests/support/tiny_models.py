@@ -42,8 +42,19 @@ def build_tiny_model(arch: str, out, tokenizer_dir, seed: int = 0) -> None:
     tok.save_pretrained(out)
 
 
+_HF_CACHE: dict = {}
+
+
 def hf_greedy_of(model_dir, prompts, new: int) -> list[list[int]]:
-    """HF transformers' fp32 greedy continuation of each prompt, exactly ``new`` tokens (EOS not stopping it)."""
+    """HF transformers' fp32 greedy continuation of each prompt, exactly ``new`` tokens (EOS not stopping it);
+    computed once per session for the same arguments."""
+    key = (str(model_dir), tuple(map(tuple, prompts)), new)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = _hf_greedy(model_dir, prompts, new)
+    return _HF_CACHE[key]
+
+
+def _hf_greedy(model_dir, prompts, new: int) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
