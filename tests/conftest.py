@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-pytest_plugins = ["support.fixtures", "support.model_fixtures", "support.tiers", "support.ssl_context"]
+pytest_plugins = ["support.fixtures", "support.model_fixtures", "support.tiny_models", "support.tiers", "support.ssl_context"]
 
 
 def _freeze() -> None:

@@ -44,15 +44,16 @@ def reshape_and_cache_ref(
         flat_v.index_copy_(0, slots, value[valid])
 
 
-def _group_plan(md: AttentionMetadata, seqs: list[int]):
-    """Gather indices and masks for one padded SDPA call over the sequences ``seqs``.
+def _group_plan(md: AttentionMetadata, seqs: list[int], sliding_window: int | None = None):
+    """Gather indices and masks for one padded SDPA call over the sequences ``seqs``; with ``sliding_window``
+    ``W`` a query at position ``q`` sees keys ``q - W < k <= q`` only.
 
     Returns ``(key_slots [n*max_ctx], mask [n, 1, max_q, max_ctx], query_rows [n*max_q],
     out_sel [m], out_rows [m] | None, n, max_q, max_ctx)``. Padded keys read the null block and are
     masked; padded query rows attend to key 0 only (finite, then dropped by ``out_sel``).
     ``out_rows`` is ``None`` when the group's rows are exactly the step's tokens in order.
     """
-    key = ("ref_plan", tuple(seqs))
+    key = ("ref_plan", tuple(seqs), sliding_window)
     plan = md.cache.get(key)
     if plan is not None:
         return plan
@@ -73,6 +74,8 @@ def _group_plan(md: AttentionMetadata, seqs: list[int]):
     real_q = i[None, :] < q_t[:, None]  # [n, max_q]
     qpos = (ctx_t - q_t)[:, None] + i[None, :]  # position of query row i
     mask = valid_k[:, None, :] & (pos[None, None, :] <= qpos[:, :, None]) & real_q[:, :, None]
+    if sliding_window is not None:
+        mask &= pos[None, None, :] > qpos[:, :, None] - sliding_window
     mask[:, :, 0] |= ~real_q  # padded query rows: attend to key 0 only
     starts = torch.tensor([qsl[s] for s in seqs], device=device)
     query_rows = (starts[:, None] + torch.minimum(i[None, :], q_t[:, None] - 1)).reshape(-1)
@@ -91,8 +94,11 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a step's query tokens over their sequences' paged K/V.
+    """Causal attention of a step's query tokens over their sequences' paged K/V; with ``sliding_window`` ``W``
+    (tokens), over the last ``W`` positions only, the query's own included (transformers'
+    ``sliding_window_overlay``: key ``k`` is seen from query ``q`` when ``q - W < k <= q``).
 
     query: [num_tokens, num_heads, head_dim]; returns [num_tokens, num_heads, head_dim] in query's
     dtype. The step's own K/V must already be in the cache (``reshape_and_cache_ref`` first).
@@ -114,7 +120,7 @@ def paged_attention_ref(
         groups = md.cache["ref_groups"] = [g for g in (decodes, prefills) if g]
     out = None
     for seqs in groups:
-        slots, mask, query_rows, out_sel, out_rows, n, max_q, max_ctx = _group_plan(md, seqs)
+        slots, mask, query_rows, out_sel, out_rows, n, max_q, max_ctx = _group_plan(md, seqs, sliding_window)
         # index_select, not advanced indexing: ~10x faster gathers on CPU
         k = flat_k.index_select(0, slots).view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
         v = flat_v.index_select(0, slots).view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)

@@ -49,8 +49,10 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """[num_tokens, num_heads, head_dim] query -> same-shaped output, causal over paged K/V."""
+        """[num_tokens, num_heads, head_dim] query -> same-shaped output, causal over paged K/V; with
+        ``sliding_window`` over the last that many positions only (``attention_ref.paged_attention_ref``)."""
 
 
 class TorchAttentionBackend:
@@ -66,8 +68,8 @@ class TorchAttentionBackend:
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._ref.reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(self, query, k_cache, v_cache, md, scale) -> torch.Tensor:
-        return self._ref.paged_attention_ref(query, k_cache, v_cache, md, scale)
+    def forward(self, query, k_cache, v_cache, md, scale, sliding_window=None) -> torch.Tensor:
+        return self._ref.paged_attention_ref(query, k_cache, v_cache, md, scale, sliding_window)
 
     def __repr__(self) -> str:
         return "TorchAttentionBackend()"
@@ -90,9 +92,10 @@ class CpuAttentionBackend:
         if not self._kernel.reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping):
             self._ref.reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(self, query, k_cache, v_cache, md, scale) -> torch.Tensor:
-        if not self._kernel.supports(query.dtype, k_cache.shape[1]):
-            return self._ref.paged_attention_ref(query, k_cache, v_cache, md, scale)
+    def forward(self, query, k_cache, v_cache, md, scale, sliding_window=None) -> torch.Tensor:
+        # the C kernel attends fully: a windowed layer takes the reference, which masks
+        if sliding_window is not None or not self._kernel.supports(query.dtype, k_cache.shape[1]):
+            return self._ref.paged_attention_ref(query, k_cache, v_cache, md, scale, sliding_window)
         return self._kernel.paged_attention_cpu(query, k_cache, v_cache, md.block_tables, md.seq_lens,
                                                 md.query_start_loc, scale)
 
@@ -119,7 +122,11 @@ class TritonAttentionBackend:
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._cache_write(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(self, query, k_cache, v_cache, md, scale) -> torch.Tensor:
+    def forward(self, query, k_cache, v_cache, md, scale, sliding_window=None) -> torch.Tensor:
+        if sliding_window is not None:  # the kernels attend fully: a windowed layer takes the reference, which masks
+            from pdserve.kernels.attention_ref import paged_attention_ref
+
+            return paged_attention_ref(query, k_cache, v_cache, md, scale, sliding_window)
         split = md.cache.get("triton_batch_split")
         if split is None:
             decodes = [s for s, q in enumerate(md.query_lens_cpu) if q == 1]

@@ -1,4 +1,5 @@
-"""The PyTorch reference attention equals dense causal attention computed from contiguous K/V."""
+"""The PyTorch reference attention equals dense causal attention computed from contiguous K/V, with and without a
+sliding window (masked as transformers' ``sliding_window_overlay`` masks it)."""
 
 import math
 
@@ -9,13 +10,18 @@ from pdserve.kernels.attention_metadata import AttentionMetadata
 from pdserve.kernels.attention_ref import paged_attention_ref, reshape_and_cache_ref
 
 
-def dense_attention(q, k, v, q_pos, scale):
-    """q: [q_len, H, D]; k, v: [ctx, Hkv, D]; plain softmax(QK^T)V with a causal mask, fp64."""
+def dense_attention(q, k, v, q_pos, scale, sliding_window=None):
+    """q: [q_len, H, D]; k, v: [ctx, Hkv, D]; plain softmax(QK^T)V with a causal mask, fp64; with
+    ``sliding_window``, transformers' own window rule on top."""
     h, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(h // hkv, dim=1).double()
     v = v.repeat_interleave(h // hkv, dim=1).double()
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     mask = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        from transformers.masking_utils import sliding_window_overlay
+
+        mask &= sliding_window_overlay(sliding_window)(0, 0, q_pos[:, None], torch.arange(k.shape[0])[None, :])
     s = s.masked_fill(~mask[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
@@ -34,7 +40,8 @@ BATCHES = {
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
-def test_batch_matches_dense_attention(batch, block_size, num_heads, num_kv_heads):
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_batch_matches_dense_attention(batch, block_size, num_heads, num_kv_heads, sliding_window):
     g = torch.Generator().manual_seed(0)
     head_dim, num_blocks = 64, 64
     seqs = BATCHES[batch](block_size)
@@ -71,10 +78,11 @@ def test_batch_matches_dense_attention(batch, block_size, num_heads, num_kv_head
     reshape_and_cache_ref(new_k, new_v, k_cache, v_cache, md.slot_mapping)
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=g)
     scale = head_dim**-0.5
-    out = paged_attention_ref(query, k_cache, v_cache, md, scale)
+    out = paged_attention_ref(query, k_cache, v_cache, md, scale, sliding_window)
     start = 0
     for (ctx, q_len), k, v in zip(seqs, full_k, full_v):
-        want = dense_attention(query[start : start + q_len], k, v, torch.arange(ctx, ctx + q_len), scale)
+        want = dense_attention(query[start : start + q_len], k, v, torch.arange(ctx, ctx + q_len), scale,
+                               sliding_window)
         torch.testing.assert_close(out[start : start + q_len].double(), want, rtol=1e-4, atol=1e-4)
         start += q_len
 

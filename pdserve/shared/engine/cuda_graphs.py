@@ -172,8 +172,8 @@ class DecodeGraphRunner:
 
 def build_decode_graphs(config, backend, model, kv_caches, max_model_len: int) -> DecodeGraphRunner | None:
     """The engine's decode graphs for ``config`` (an ``EngineConfig``), captured now; None (and a log line that
-    says why) where they do not apply: ``enforce_eager``, a device other than CUDA, tensor parallelism, or an
-    attention backend other than ``triton``."""
+    says why) where they do not apply: ``enforce_eager``, a device other than CUDA, tensor parallelism, an
+    attention backend other than ``triton``, or a sliding-window layer (its attention runs in the reference)."""
     if config.enforce_eager or not str(config.device).startswith("cuda"):
         return None
     if config.tensor_parallel_size > 1:
@@ -183,6 +183,9 @@ def build_decode_graphs(config, backend, model, kv_caches, max_model_len: int) -
     if getattr(backend, "name", None) != "triton":
         logger.warning("CUDA graphs off: attention backend %r syncs with the host; use 'triton' (the default on "
                        "CUDA) for graphs", getattr(backend, "name", backend))
+        return None
+    if any(getattr(layer.self_attn, "sliding_window", None) for layer in getattr(model, "layers", ())):
+        logger.info("CUDA graphs off: sliding-window layers attend through the reference, which syncs with the host")
         return None
     sizes = cudagraph_capture_sizes(min(config.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE,
                                         config.max_num_seqs))

@@ -70,26 +70,21 @@ def owner_ranks(num_kv_heads: int, size: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def shard_weight(name: str, tensor: torch.Tensor, config, shard: TPShard) -> torch.Tensor:
-    """The part of checkpoint tensor ``name`` (HF names: ``...q_proj.weight``, ``...o_proj.weight``, ...) that
-    rank ``shard`` holds; everything not split (norms, embedding, LM head) is returned whole."""
-    if shard.size == 1:
+SplitRule = tuple[str, int]  # (what splits: "heads", "kv_heads" or "intermediate"; the tensor's dim it splits)
+
+
+def shard_weight(tensor: torch.Tensor, rule: SplitRule | None, config, shard: TPShard) -> torch.Tensor:
+    """The part of a checkpoint tensor that rank ``shard`` holds under ``rule`` (the model class's
+    ``tp_split_rules`` entry for it); with no rule (norms, embedding, LM head) the tensor is returned whole."""
+    if shard.size == 1 or rule is None:
         return tensor
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    leaf = name.split(".")[-2] if "." in name else name
-    if leaf == "q_proj":
-        first, count = shard.heads(config.num_attention_heads)
-        return tensor[first * head_dim:(first + count) * head_dim]
-    if leaf in ("k_proj", "v_proj"):
-        first, count = shard.kv_heads(config.num_key_value_heads)
-        return tensor[first * head_dim:(first + count) * head_dim]
-    if leaf in ("gate_proj", "up_proj"):
+    what, dim = rule
+    if what == "intermediate":
         per = config.intermediate_size // shard.size
-        return tensor[shard.rank * per:(shard.rank + 1) * per]
-    if leaf == "o_proj":
-        first, count = shard.heads(config.num_attention_heads)
-        return tensor[:, first * head_dim:(first + count) * head_dim]
-    if leaf == "down_proj":
-        per = config.intermediate_size // shard.size
-        return tensor[:, shard.rank * per:(shard.rank + 1) * per]
-    return tensor
+        first, count = shard.rank * per, per
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        first, count = shard.heads(config.num_attention_heads) if what == "heads" else \
+            shard.kv_heads(config.num_key_value_heads)
+        first, count = first * head_dim, count * head_dim
+    return tensor.narrow(dim, first, count)

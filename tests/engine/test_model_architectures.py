@@ -1,0 +1,48 @@
+"""Every supported architecture (Llama, Qwen2, Mistral, Qwen3) on a tiny random-weight model built with
+transformers' own classes (``tests/support/tiny_models.py``): greedy tokens equal HF transformers' fp32
+``generate`` at TP=1 and TP=2 (Mistral past its window, in prefill and in decode), and an unsupported
+``architectures`` value is refused with one error naming the supported ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from support.tiny_models import hf_greedy_of
+
+pytestmark = pytest.mark.slow
+
+
+ARCHS = ["llama", "qwen2", "mistral", "qwen3"]
+NEW = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(prompt_of):
+    # Mistral's window (12 tokens) is passed in the prompt (the 17- and 33-token prompts: prefill) and during decode
+    return [prompt_of(3), prompt_of(9, offset=5), prompt_of(17, offset=11), prompt_of(33, offset=2)]
+
+
+# Llama at TP=2 is tests/engine/test_tensor_parallel.py's (SmolLM2): not repeated here, to spare CI a rank start
+@pytest.mark.parametrize("arch,tp", [(arch, 1) for arch in ARCHS] + [(arch, 2) for arch in ARCHS if arch != "llama"])
+def test_greedy_tokens_equal_hf_fp32(arch, tp, tiny_model, prompts):
+    want = hf_greedy_of(tiny_model(arch), prompts, NEW)
+    llm = LLM(tiny_model(arch), dtype="float32", tensor_parallel_size=tp)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == want
+
+
+def test_unsupported_architecture_is_refused_naming_the_supported_ones(tiny_model, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(tiny_model("llama"), tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as exc:
+        LLM(str(tmp_path / "m"), dtype="float32")
+    assert str(exc.value) == (
+        "Model architectures ['GPT2LMHeadModel'] are not supported for now. Supported architectures: "
+        "['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']")
