@@ -181,8 +181,8 @@ def build_grammar(kind: str, spec: Any):
     try:
         if kind == "json":
             return xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # OpenAI's: a JSON object (xgrammar's builtin JSON grammar allows any value)
+            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(spec)
         if kind == "choice":
