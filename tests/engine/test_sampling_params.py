@@ -258,6 +258,11 @@ def test_structured_outputs_takes_one_of_vllms_kinds(spec):
     assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
 
 
+def test_a_property_named_like_an_unsupported_keyword_is_a_name():
+    schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}}
+    assert SamplingParams(structured_outputs={"json": schema}).structured_kind == "json"
+
+
 def test_a_json_schema_as_map_or_text_normalises_to_one_compact_text_in_its_own_key_order():
     a = SamplingParams(structured_outputs={"json": {"b": 1, "a": {"type": "string"}}})
     b = SamplingParams(structured_outputs={"json": '{"b": 1,  "a": {"type": "string"}}'})
@@ -267,7 +272,8 @@ def test_a_json_schema_as_map_or_text_normalises_to_one_compact_text_in_its_own_
 @pytest.mark.parametrize("spec", [
     "json", {"json": {"type": "object"}, "regex": "a"}, {"yaml": "x"}, {"json": "{not json"}, {"json": [1]},
     {"choice": []}, {"choice": [1]}, {"regex": ""}, {"grammar": 5}, {"json_object": "yes"},
-    {"regex": "a" * 70000},
+    {"regex": "a" * 70000}, {"json": {"type": "array", "uniqueItems": True}},
+    {"json": {"properties": {"a": {"anyOf": [{"type": "integer"}, {"not": {"type": "string"}}]}}}},
 ])
 def test_malformed_structured_outputs_name_the_field(spec):
     with pytest.raises(SamplingParamsError) as err:

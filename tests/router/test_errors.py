@@ -129,6 +129,9 @@ BAD_400 = {
     "structured_outputs invalid schema": (completion(structured_outputs={"json": {"minItems": -1}}),
                                           "structured_outputs"),
     "structured_outputs choice empty": (completion(structured_outputs={"choice": []}), "structured_outputs"),
+    "response_format keyword the grammar cannot enforce": (chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}),
+        "response_format"),
 }
 
 # Exact bodies of the refusals above whose message is pdserve's own (not pydantic's).

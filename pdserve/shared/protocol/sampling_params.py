@@ -426,6 +426,37 @@ def normalise_structured_outputs(value: Any) -> dict[str, Any] | None:
     return {kind: spec}
 
 
+# JSON-schema keywords the grammar compiler (xgrammar) would silently not enforce: refused, so that an answer is
+# never claimed to follow a schema it may break (vLLM falls back to another backend for these).
+UNSUPPORTED_JSON_SCHEMA_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "dependentSchemas",
+    "dependentRequired", "unevaluatedProperties", "unevaluatedItems", "propertyNames", "minProperties",
+    "maxProperties", "multipleOf", "patternProperties"})
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties")
+
+
+def unsupported_json_schema_keyword(schema: Any, path: str = "") -> str | None:
+    """The first keyword of ``UNSUPPORTED_JSON_SCHEMA_KEYWORDS`` used anywhere in ``schema``, as ``path/keyword``,
+    or ``None`` (property names are names, not keywords)."""
+    if not isinstance(schema, dict):
+        return None
+    for key in schema:
+        if key in UNSUPPORTED_JSON_SCHEMA_KEYWORDS:
+            return f"{path}{key}"
+    children = [(f"{k}/{name}/", sub) for k in _SUBSCHEMA_MAPS if isinstance(schema.get(k), dict)
+                for name, sub in schema[k].items()]
+    children += [(f"{k}/{i}/", sub) for k in _SUBSCHEMA_LISTS if isinstance(schema.get(k), list)
+                 for i, sub in enumerate(schema[k])]
+    children += [(f"{k}/", schema[k]) for k in _SUBSCHEMAS if k in schema]
+    for where, sub in children:
+        found = unsupported_json_schema_keyword(sub, path + where)
+        if found is not None:
+            return found
+    return None
+
+
 def _schema_text(schema: Any) -> str:
     import json
 
@@ -437,4 +468,9 @@ def _schema_text(schema: Any) -> str:
                 from exc
     if not isinstance(schema, (dict, bool)):
         raise _fail("structured_outputs", "json: a JSON schema (an object)", schema)
+    keyword = unsupported_json_schema_keyword(schema)
+    if keyword is not None:
+        raise SamplingParamsError("structured_outputs", f"structured_outputs json uses {keyword!r}, a JSON-schema "
+                                  "keyword the grammar cannot enforce; unsupported: "
+                                  + ", ".join(sorted(UNSUPPORTED_JSON_SCHEMA_KEYWORDS)))
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
