@@ -40,9 +40,9 @@ def test_every_schema_s_greedy_answer_validates_and_stops(llm_fp32, tokenizer):
 @pytest.mark.slow
 def test_sampled_answers_of_n_choices_each_validate(llm_fp32, tokenizer):
     """n > 1: a matcher per sequence, at temperature 1 where a shared matcher would break at once."""
-    schema = SCHEMAS["mixed record"]
-    out = llm_fp32.generate(_chat(tokenizer, "A film as JSON."),
-                            SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=80,
+    schema = SCHEMAS["person"]
+    out = llm_fp32.generate(_chat(tokenizer, "A person as JSON."),
+                            SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=40,
                                            structured_outputs={"json": schema}))[0]
     assert len({c.text for c in out.outputs}) > 1
     for choice in out.outputs:
@@ -72,7 +72,7 @@ def test_a_request_resumed_with_its_output_replays_the_grammar_and_continues_ide
     replaying it; greedy output must equal the uninterrupted request's (cut after 1 token and mid-answer)."""
     engine = llm_fp32.llm_engine
     prompt = _chat(tokenizer, "A person as JSON.")
-    params = _greedy({"json": SCHEMAS["mixed record"]})
+    params = _greedy({"json": SCHEMAS["person"]})
     whole = list(llm_fp32.generate(prompt, params)[0].outputs[0].token_ids)
     cuts = (1, len(whole) // 2)
     for cut in cuts:
@@ -122,3 +122,22 @@ def test_a_spec_the_compiler_refuses_is_rejected_naming_structured_outputs(llm_f
     assert err.value.param == "structured_outputs"
     assert "/project/" not in str(err.value) and str(err.value).startswith(f"structured_outputs {next(iter(spec))}")
     assert not llm_fp32.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_greedy_answers_under_recompute_preemption_equal_the_unpreempted_ones(llm_fp32, tokenizer):
+    """A recomputed request keeps its matcher, synced to its output (the replay rule): same answers as with room."""
+    from pdserve import LLM
+
+    names = ["mixed record", "array of objects", "nested object"]
+    prompts = [_chat(tokenizer, f"{name} as JSON") for name in names]
+    params = [_greedy({"json": SCHEMAS[n]}, max_tokens=40) for n in names]
+    want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params)]
+    tiny = LLM("smollm2-135m-instruct", dtype="float32", num_kv_blocks=7, max_model_len=96,
+               preemption_mode="recompute", enable_prefix_caching=False)
+    got = tiny.generate(prompts, params)
+    assert tiny.get_stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    for name, out in zip(names, got):
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
