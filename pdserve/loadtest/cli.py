@@ -53,6 +53,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "spec": ("pdserve.loadtest.spec_bench:spec_command",
              "Decode tok/s and TPOT with and without speculative decoding."),
     "step": ("pdserve.loadtest.step_bench:step_command", "A decode step and a prefill against their matmul floor."),
+    "structured": ("pdserve.loadtest.structured_bench:structured_command",
+                   "TPOT with a JSON schema (structured outputs) vs without, in turns; compile time cold and cached."),
     "sweep": ("pdserve.loadtest.sweep:sweep_command", "Run a list of rates (or up to saturation) and report SLO capacity."),
     "throughput": ("pdserve.loadtest.throughput_bench:throughput_command",
                    "Offline throughput in turns: pdserve vs HF static, HF continuous batching and vLLM-CPU."),

@@ -359,3 +359,61 @@ def test_one_request_is_one_trace_through_router_queue_prefill_transfer_and_deco
     timeline = [(s.name, (s.start_ns - root.start_ns) / 1e9, s.duration_s)
                 for s in sorted(children, key=lambda s: s.start_ns)]
     assert covered_s(children, root.start_ns, root.end_ns) >= 0.9 * root.duration_s, timeline
+
+
+def _chat_ids(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_greedy_under_a_grammar_through_kv_transfer_equals_offline_engine(client, offline, tokenizer):
+    """The prefill pod samples the first token under the grammar; the decode pod rebuilds the matcher by replaying
+    it. Oracles: the offline engine under the same grammar, and jsonschema."""
+    import jsonschema
+
+    from pdserve import SamplingParams
+    from support.structured_schemas import SCHEMAS
+
+    for name in ("array of objects", "pattern date"):
+        schema = SCHEMAS[name]
+        messages = [{"role": "user", "content": f"An example of {name} as JSON."}]
+        want = offline.generate(_chat_ids(tokenizer, messages), SamplingParams(
+            temperature=0, max_tokens=80, structured_outputs={"json": schema}))[0].outputs[0]
+        got = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=80,
+                                             response_format={"type": "json_schema", "json_schema": {
+                                                 "name": "answer", "strict": True, "schema": schema}})
+        assert got.choices[0].message.content == want.text, name
+        assert got.choices[0].finish_reason == "stop"
+        jsonschema.validate(__import__("json").loads(want.text), schema)
+    regex = r"[A-Z][a-z]+, [A-Z][a-z]+"
+    messages = [{"role": "user", "content": "Name a city and its country."}]
+    want = offline.generate(_chat_ids(tokenizer, messages), SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs={"regex": regex}))[0].outputs[0].text
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40, stream=True,
+                                            extra_body={"structured_outputs": {"regex": regex}})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_openai_sdk_parse_returns_the_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):  # bounded, so a 135M model's greedy answer fits the token budget
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        population: int = Field(ge=0, le=10**8)
+
+    done = client.chat.completions.parse(model=MODEL, temperature=0, max_tokens=100, response_format=City,
+                                         messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    assert isinstance(done.choices[0].message.parsed, City)
+    assert done.choices[0].finish_reason == "stop"
+
+
+def test_a_schema_the_grammar_compiler_refuses_gets_a_400_from_the_worker_naming_the_field(ensemble, client):
+    """A lookbehind passes the router's meta-schema check; the engine's compiler refuses it: a 400, not a 500."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                       extra_body={"structured_outputs": {"json": schema}})
+    assert err.value.body["param"] == "structured_outputs"
+    assert "Lookbehind is not supported" in err.value.body["message"]
+    assert httpx.get(f"{ensemble.router_url}/health", timeout=30).status_code == 200

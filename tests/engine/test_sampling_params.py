@@ -198,6 +198,7 @@ EVERY_FIELD = SamplingParams(
     ignore_eos=True, min_tokens=3, max_tokens=64, logprobs=5, prompt_logprobs=2, include_stop_str_in_output=True,
     skip_special_tokens=False, spaces_between_special_tokens=False, logit_bias={15: 100, 3: -7.5},
     allowed_token_ids=[3, 15, 99], bad_words=["foo", "bar baz"], bad_words_token_ids=[[5], [8, 9]],
+    structured_outputs={"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
 )
 
 
@@ -241,6 +242,43 @@ def test_every_field_round_trips_through_every_wire(path):
 def test_to_dict_has_no_map_values():
     assert not any(isinstance(v, dict) for v in EVERY_FIELD.to_dict().values())
     assert EVERY_FIELD.to_dict()["logit_bias"] == [[3, -7.5], [15, 100.0]]
+    assert EVERY_FIELD.to_dict()["structured_outputs"] == [
+        "json", '{"type":"object","properties":{"a":{"type":"integer"}}}']
+
+
+@pytest.mark.parametrize("spec", [
+    {"json": {"type": "object"}}, {"json": '{"type": "object"}'}, {"regex": "[a-z]+"}, {"choice": ["yes", "no"]},
+    {"grammar": 'root ::= "a"'}, {"json_object": True},
+    {"json": None, "regex": "a+", "choice": None, "grammar": None, "json_object": None},  # vLLM's dataclass shape
+])
+def test_structured_outputs_takes_one_of_vllms_kinds(spec):
+    params = SamplingParams(structured_outputs=spec)
+    kind = params.structured_kind
+    assert list(params.structured_outputs) == [kind]
+    assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
+
+
+def test_a_property_named_like_an_unsupported_keyword_is_a_name():
+    schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}}
+    assert SamplingParams(structured_outputs={"json": schema}).structured_kind == "json"
+
+
+def test_a_json_schema_as_map_or_text_normalises_to_one_compact_text_in_its_own_key_order():
+    a = SamplingParams(structured_outputs={"json": {"b": 1, "a": {"type": "string"}}})
+    b = SamplingParams(structured_outputs={"json": '{"b": 1,  "a": {"type": "string"}}'})
+    assert a.structured_outputs == b.structured_outputs == {"json": '{"b":1,"a":{"type":"string"}}'}
+
+
+@pytest.mark.parametrize("spec", [
+    "json", {"json": {"type": "object"}, "regex": "a"}, {"yaml": "x"}, {"json": "{not json"}, {"json": [1]},
+    {"choice": []}, {"choice": [1]}, {"regex": ""}, {"grammar": 5}, {"json_object": "yes"},
+    {"regex": "a" * 70000}, {"json": {"type": "array", "uniqueItems": True}},
+    {"json": {"properties": {"a": {"anyOf": [{"type": "integer"}, {"not": {"type": "string"}}]}}}},
+])
+def test_malformed_structured_outputs_name_the_field(spec):
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(structured_outputs=spec)
+    assert err.value.param == "structured_outputs"
 
 
 def test_from_dict_validates_and_rejects_unknown_keys():

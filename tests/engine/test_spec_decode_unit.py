@@ -192,7 +192,7 @@ def test_adaptive_cap_follows_acceptance_and_is_shared_evenly():
     spec = SpecDecoder(config, torch.Generator(), frozenset({0}), 100, 1024)
 
     def running(n):  # decoding requests whose tokens repeat, so prompt lookup always proposes k
-        return [SimpleNamespace(request_id=f"r{i}", spec_token_ids=[], num_computed_tokens=39, num_tokens=40,
+        return [SimpleNamespace(request_id=f"r{i}", spec_token_ids=[], grammar=None, num_computed_tokens=39, num_tokens=40,
                                 prefill_only=False, max_tokens=100, num_output_tokens=8, all_token_ids=list(range(10)) * 4)
                 for i in range(n)]
 

@@ -115,6 +115,24 @@ BAD_400 = {
     "completion stop_token_ids out of vocabulary": (completion(stop_token_ids=[10**9]), "stop_token_ids"),
     "33 stop strings": (chat(stop=[f"s{i}" for i in range(33)]), "stop"),
     "stop string of 257 characters": (completion(stop=["x" * 257]), "stop"),
+    # structured outputs: shape and JSON-schema validity are the router's checks, before queueing
+    "response_format unknown type": (chat(response_format={"type": "yaml"}), "response_format"),
+    "response_format json_schema without an object": (chat(response_format={"type": "json_schema",
+                                                                            "json_schema": "x"}), "response_format"),
+    "response_format invalid schema": (chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "wizard"}}}}}),
+        "response_format"),
+    "response_format and structured_outputs": (chat(response_format={"type": "json_object"},
+                                                    structured_outputs={"regex": "a+"}), "response_format"),
+    "structured_outputs two kinds": (chat(structured_outputs={"regex": "a+", "choice": ["a"]}),
+                                     "structured_outputs"),
+    "structured_outputs unknown kind": (completion(structured_outputs={"yaml": "a"}), "structured_outputs"),
+    "structured_outputs invalid schema": (completion(structured_outputs={"json": {"minItems": -1}}),
+                                          "structured_outputs"),
+    "structured_outputs choice empty": (completion(structured_outputs={"choice": []}), "structured_outputs"),
+    "response_format keyword the grammar cannot enforce": (chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}),
+        "response_format"),
 }
 
 # Exact bodies of the refusals above whose message is pdserve's own (not pydantic's).
@@ -143,6 +161,14 @@ EXACT_MESSAGE = {
     "stop_token_ids out of vocabulary": "Token id 49152 is out of vocabulary (size 49152)",
     "33 stop strings": "stop must be at most 32 strings, got 33",
     "stop string of 257 characters": "stop must be strings of at most 256 characters, got one of 257",
+    "response_format unknown type": "response_format type must be 'text', 'json_object' or 'json_schema', got 'yaml'",
+    "response_format invalid schema": "response_format holds an invalid JSON schema at properties/a/type: 'wizard' "
+                                      "is not valid under any of the given schemas",
+    "response_format and structured_outputs": "response_format and structured_outputs cannot both be set",
+    "structured_outputs two kinds": "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                                    "json_object, got ['choice', 'regex']",
+    "structured_outputs invalid schema": "structured_outputs holds an invalid JSON schema at minItems: -1 is less "
+                                         "than the minimum of 0",
 }
 
 
@@ -326,14 +352,26 @@ def test_redis_down_gets_503_and_unhealthy(registry_url, processor, pods, monkey
         down.stop()
 
 
-def test_tool_choice_and_structured_output_are_refused_naming_them(router, worker):
+def test_tool_choice_is_refused_naming_it(router, worker):
     resp = httpx.post(router.url + "/v1/chat/completions", timeout=30,
                       json=chat(tool_choice={"type": "function", "function": {"name": "f"}})[1])
     assert_error(resp, 400, "BadRequestError", "tool_choice")
-    resp = httpx.post(router.url + "/v1/chat/completions", timeout=30,
-                      json=chat(response_format={"type": "json_object"})[1])
-    assert_error(resp, 400, "BadRequestError", "response_format")
     assert_next_request_works(router)
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {
+        "type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}}}},
+     {"json": '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"json": None, "regex": "[0-9]+", "choice": None}}, {"regex": "[0-9]+"}),
+])
+def test_response_format_and_structured_outputs_reach_the_worker_as_one_field(router, worker, body, expected):
+    resp = httpx.post(router.url + "/v1/chat/completions", timeout=30, json={"model": MODEL, "messages": MSGS, **body})
+    assert resp.status_code == 200, resp.text
+    assert worker.received[-1].request.sampling_params.structured_outputs == expected
 
 
 def test_bad_client_request_id_is_refused_and_a_reused_one_still_works(router, worker):

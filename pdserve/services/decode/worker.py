@@ -278,7 +278,7 @@ class DecodeWorker(Worker):
                 info = self.requests.pop(req.request_id, None)
                 tracing.end(info.span if info else None, error=str(exc))
                 with logging_request(req.request_id):
-                    await self._fail(req.request_id, str(exc))
+                    await self._fail(req.request_id, str(exc), getattr(exc, "param", None))
 
     def _add_requests(self, reqs: list[PrefillRequest]) -> list[Exception | None]:
         """Engine thread: add every request; per request None, or the error that refused it (a bad request)."""
@@ -296,9 +296,9 @@ class DecodeWorker(Worker):
                 errors.append(exc)
         return errors
 
-    async def _fail(self, request_id: str, message: str) -> None:
+    async def _fail(self, request_id: str, message: str, param: str | None = None) -> None:
         self.metrics.requests_failed.inc()
-        await publish(self.writer, self.redis, [error_event(request_id, message, 400, "BadRequestError")])
+        await publish(self.writer, self.redis, [error_event(request_id, message, 400, "BadRequestError", param)])
 
     def pod_fields(self) -> dict:
         return {"kv_port": self.kv_port, "colocated": self.colocated}

@@ -295,7 +295,8 @@ class PrefillWorker(Worker):
             self._forget(req.request_id)
             with logging_request(req.request_id):
                 if isinstance(exc, (RequestRejected, ValueError)):
-                    await self._fail(msg_id, req.request_id, str(exc), 400, "BadRequestError")
+                    await self._fail(msg_id, req.request_id, str(exc), 400, "BadRequestError",
+                                     getattr(exc, "param", None))
                 else:  # a bug on one request must not leave it held here, nor stop the others
                     logger.error("adding request %s to the engine failed", req.request_id, exc_info=exc)
                     await self._fail(msg_id, req.request_id, f"prefill failed: {exc!r}", 500, "InternalServerError")
@@ -333,10 +334,11 @@ class PrefillWorker(Worker):
         if info is not None:
             tracing.end(info.span, error="ended before its first token")
 
-    async def _fail(self, msg_id, request_id: str, message: str, code: int, type_: str) -> None:
+    async def _fail(self, msg_id, request_id: str, message: str, code: int, type_: str,
+                    param: str | None = None) -> None:
         self.metrics.requests_failed.inc()
         logger.warning("request %s failed: %s", request_id, message)
-        await publish(self.writer, self.redis, [error_event(request_id, message, code, type_)])
+        await publish(self.writer, self.redis, [error_event(request_id, message, code, type_, param)])
         await self._ack(msg_id)
 
     async def abort(self, request_id: str) -> None:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from pdserve.shared.protocol.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.shared.protocol.sampling_params import (SamplingParams, SamplingParamsError,
+                                                     normalise_structured_outputs)
 
 from .errors import OpenAIError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -71,7 +72,7 @@ class RequestPlan:
 
 # vLLM's extra request fields that change the output and that pdserve does not implement; the schemas keep
 # unknown fields (OpenAI clients send new ones), so these are named to be refused rather than ignored.
-UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+UNSUPPORTED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                           "use_beam_search", "logits_processors")
 
 
@@ -99,9 +100,6 @@ def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
                               "function_call")
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than {'type': 'text'} is not supported (no structured "
-                              "output)", "response_format")
         if req.add_generation_prompt and req.continue_final_message:
             raise bad_request("continue_final_message cannot be combined with add_generation_prompt "
                               "(set add_generation_prompt to false)", "continue_final_message")
@@ -110,6 +108,55 @@ def check_cross_field(req: ChatCompletionRequest | CompletionRequest) -> None:
             raise bad_request("max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
+
+
+def structured_outputs_of(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
+    """The request's ``SamplingParams.structured_outputs``: OpenAI's ``response_format`` (``json_object``, or
+    ``json_schema`` with its ``schema``; ``strict`` is accepted, the grammar is always strict) or vLLM's extra
+    field ``structured_outputs``. Raises a 400 naming the field for a malformed value or a JSON schema that is
+    not a valid schema (its meta-schema, by ``jsonschema``); what the grammar compiler does not support is the
+    engine's 400."""
+    extra = req.model_extra or {}
+    raw, field = extra.get("structured_outputs"), "structured_outputs"
+    response_format = getattr(req, "response_format", None) or extra.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise bad_request("response_format must be an object", "response_format")
+        kind = response_format.get("type", "text")
+        if kind != "text" and raw is not None:
+            raise bad_request("response_format and structured_outputs cannot both be set", "response_format")
+        if kind == "json_object":
+            raw, field = {"json_object": True}, "response_format"
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_request("response_format json_schema must be an object with a 'schema' object",
+                                  "response_format")
+            # OpenAI's default schema when none is given: any JSON object
+            raw, field = {"json": spec.get("schema") or {"type": "object"}}, "response_format"
+        elif kind != "text":
+            raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                              "response_format")
+    try:
+        value = normalise_structured_outputs(raw)
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc).replace("structured_outputs", field, 1), field) from exc
+    if value is not None and "json" in value:
+        check_json_schema(json.loads(value["json"]), field)
+    return value
+
+
+def check_json_schema(schema: Any, field: str) -> None:
+    """400 naming ``field`` when ``schema`` is not valid under its own meta-schema (draft 2020-12 unless its
+    ``$schema`` says otherwise)."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise bad_request(f"{field} holds an invalid JSON schema{' at ' + where if where else ''}: "
+                          f"{exc.message}", field) from exc
 
 
 def echo_prefixes(req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]],
@@ -195,13 +242,13 @@ def logit_bias_by_id(bias: dict[str, Any] | None) -> dict[int, Any] | None:
 
 def with_structured_outputs(values: dict[str, Any], structured: dict[str, Any] | None, param: str) -> None:
     """Put guided decoding's ``structured_outputs`` (vLLM's ``StructuredOutputsParams`` shape, e.g.
-    ``{"json": schema}``) into the sampling values; a 400 naming ``param`` while the engine's ``SamplingParams``
-    has no such field (the request would run unguided, and its output would not follow the schema)."""
+    ``{"json": schema}``) into the sampling values; a 400 naming ``param`` when the request already asked for
+    another grammar (``response_format`` or ``structured_outputs``)."""
     if structured is None:
         return
-    if "structured_outputs" not in SamplingParams.__dataclass_fields__:
-        raise bad_request(f"{param} needs guided decoding (structured outputs), which this server does not support",
-                          param)
+    if values.get("structured_outputs") is not None:
+        # one grammar per request: a forced tool call's schema and the client's own format cannot both hold
+        raise bad_request(f"{param} cannot be combined with response_format or structured_outputs", param)
     values["structured_outputs"] = structured
 
 
@@ -239,6 +286,7 @@ def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_to
         logit_bias=logit_bias_by_id(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
+        structured_outputs=structured_outputs_of(req),
     )
     if structured is not None:
         with_structured_outputs(values, *structured)

@@ -36,6 +36,7 @@ from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.spec_decode.draft_model import draft_kv_bytes_per_block
 from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder, split_logits_rows
 from pdserve.shared.engine.stats import EngineCounters, kv_and_scheduler_stats
+from pdserve.shared.engine.structured_output import StructuredOutputManager
 from pdserve.shared.engine.swap import SwapManager
 from pdserve.shared.models.loader import load_config
 from pdserve.shared.models.resolve import resolve_model
@@ -75,6 +76,7 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer, self.model_dir)
         self.spec = SpecDecoder.for_engine(self)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.input = InputProcessor(self.vocab_size, self.max_model_len, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.prefill_export = PrefillExport(self.scheduler, self.kv_manager, self.kv_cache)
@@ -89,8 +91,11 @@ class LLMEngine:
     # requests
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a prompt against this engine; returns the effective ``max_tokens``. Raises ``RequestRejected``
-        (a ``ValueError``) naming the parameter (see ``InputProcessor.validate_prompt``)."""
-        return self.input.validate_prompt(prompt_token_ids, params)
+        (a ``ValueError``) naming the parameter (see ``InputProcessor.validate_prompt``; ``structured_outputs``
+        when its spec does not parse)."""
+        max_tokens = self.input.validate_prompt(prompt_token_ids, params)
+        self.structured.grammar_for(params)  # starts the compile early; cached for add_request
+        return max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
@@ -116,11 +121,16 @@ class LLMEngine:
             arrival_time=arrival_time, priority=priority, cache_salt=cache_salt, index=i,
             parent_id=None if i == 0 else request_id, prefill_only=prefill_only, output_token_ids=output_token_ids)
             for i in range(params.n)]
+        for choice in choices:  # a matcher per sequence; the first call rejects a spec that does not parse
+            choice.grammar = self.structured.grammar_for(params)
         for choice in choices[1:]:
             choice.prompt_logprobs = None  # the first choice computes them; the others may hit its prompt blocks
         self.output.add_request(request_id, prompt, params, choices, output_text_len)
         for choice in choices:
-            self.scheduler.add_request(choice)
+            if choice.grammar is not None and not choice.grammar.is_ready:
+                self.structured.pending.append(choice)  # joins the scheduler when compiled (step)
+            else:
+                self.scheduler.add_request(choice)
 
     def _with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
         """``params`` with ``bad_words`` tokenized by this model's tokenizer (the router sends them tokenized;
@@ -137,8 +147,11 @@ class LLMEngine:
         found = self.prefill_export.release(request_id) or found
         state = self.output.pop(request_id)
         if state is not None:
+            compiling = self.structured.discard(state.members)
             for request in state.members:
-                if not request.is_finished:
+                if request.request_id in compiling:
+                    request.status = RequestStatus.FINISHED_ABORTED  # never scheduled: holds nothing
+                elif not request.is_finished:
                     self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return found or state is not None
 
@@ -148,21 +161,24 @@ class LLMEngine:
         return request_id in self.output or request_id in self.decode_import or request_id in self.prefill_export
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.structured.pending)
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting for blocks or a batch slot (new, preempted, swapped)."""
-        return self.scheduler.num_waiting
+        """Requests waiting for blocks or a batch slot (new, preempted, swapped) or for their grammar."""
+        return self.scheduler.num_waiting + len(self.structured.pending)
 
     # the step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return outputs for every request that progressed.
         The outputs are snapshots: later steps never change them, so another thread may read them."""
+        for request in self.structured.take_ready():
+            self.scheduler.add_request(request)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.structured.wait_any(0.05)  # nothing to run but grammars compiling: no busy loop
             # A step can preempt every running request and schedule nothing (the pool held by reservations): its
             # swap-outs must still happen, or the swapped request resumes from CPU blocks that never received
             # its KV (issue 12.B: a seeded choice's text changed under swap).
@@ -191,7 +207,7 @@ class LLMEngine:
         md = SamplingMetadata.from_requests(
             [r.sampling_params for r in sampling], [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling], [r.generator for r in sampling], self.eos_token_ids,
-            self.vocab_size)
+            self.vocab_size, grammars=[r.grammar for r in sampling])
         result = self.sampler(logits, md)
         for request, token, lp in zip(sampling, result.sampled_token_ids, result.logprobs):
             self._append_token(request, token, lp, now)
@@ -200,6 +216,10 @@ class LLMEngine:
         """``sampled_here``: False for a hand-over's first token (the prefill pod sampled and counts it)."""
         self.stats.sampled_tokens += sampled_here
         reason = self.output.append_token(request, token, lp, now)
+        if request.grammar is not None:
+            request.grammar.sync(request.output_token_ids)  # the matcher advances on each accepted token
+            if reason is None and request.grammar.is_terminated:
+                reason = "stop"
         self.stats.generation_tokens += 1
         if reason is not None:
             status = RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
@@ -245,8 +265,13 @@ class LLMEngine:
         def build(prompt_token_ids: list[int], cache_salt: str | None) -> Request:
             max_tokens = self.input.validate_prompt(prompt_token_ids, params)
             self.input.validate_output(output_token_ids, params, max_tokens)
-            return self.input.new_request(request_id, prompt_token_ids, params, max_tokens, arrival_time=arrival_time,
-                                          priority=priority, cache_salt=cache_salt, output_token_ids=output_token_ids)
+            request = self.input.new_request(request_id, prompt_token_ids, params, max_tokens,
+                                             arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
+                                             output_token_ids=output_token_ids)
+            # the grammar's state is rebuilt by replaying the output (structured_output.py); a first compile here
+            # is waited for at this request's first sample
+            request.grammar = self.structured.grammar_for(params)
+            return request
 
         request = self.decode_import.commit(request_id, output_token_ids, build)
         self.output.add_request(request_id, prompt, params, [request], output_text_len)

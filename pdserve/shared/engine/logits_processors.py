@@ -6,7 +6,8 @@ tensor work. ``apply`` transforms the float32 logits rows of the requests it app
 alone. vLLM v1's names and order (``vllm/v1/sample/sampler.py``), with two kinds:
 
 * not argmax-invariant (they change greedy output), on every row's raw float32 logits, before penalties, in
-  this order: ``AllowedTokenIdsLogitsProcessor``, ``BadWordsLogitsProcessor``, ``MinTokensLogitsProcessor``,
+  this order: ``GrammarBitmaskLogitsProcessor`` (structured outputs, as vLLM's grammar bitmask before the
+  sampler), ``AllowedTokenIdsLogitsProcessor``, ``BadWordsLogitsProcessor``, ``MinTokensLogitsProcessor``,
   ``LogitBiasLogitsProcessor``;
 * argmax-invariant (they only narrow a random draw), on the random rows' temperature-scaled logits, before
   top-k and top-p: ``MinPLogitsProcessor``.
@@ -22,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,13 +33,15 @@ from pdserve.shared.protocol.sampling_params import SamplingParams
 @dataclass(slots=True)
 class ProcessorBatch:
     """What a processor may read about the step's rows: row ``i`` is ``params[i]`` with ``output_token_ids[i]``
-    generated so far (a speculative verify row counts the drafts before it)."""
+    generated so far (a speculative verify row counts the drafts before it) and ``grammars[i]`` its
+    ``structured_output.RequestGrammar`` (empty, or ``None`` per row, without structured outputs)."""
 
     params: Sequence[SamplingParams]
     output_token_ids: Sequence[Sequence[int]]
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     device: torch.device | str
+    grammars: Sequence[Any] = ()
 
 
 class LogitsProcessor(ABC):
@@ -61,6 +64,36 @@ class LogitsProcessor(ABC):
 def _masked_pairs(rows: list[int], ids: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(ids, dtype=torch.int64, device=device))
+
+
+class GrammarBitmaskLogitsProcessor(LogitsProcessor):
+    """``structured_outputs``: tokens the row's grammar does not allow next get ``-inf``. Each matcher is first
+    synced to the row's output tokens (the replay rule of ``structured_output.py``), then fills its row of an
+    xgrammar bitmask (one bit per token), applied in one call."""
+
+    def __init__(self, rows: list[int], bitmask: torch.Tensor) -> None:
+        self.rows, self.bitmask = rows, bitmask  # bitmask: [N, ceil(vocab / 32)] int32, every bit set off rows
+
+    @classmethod
+    def from_batch(cls, batch: ProcessorBatch) -> GrammarBitmaskLogitsProcessor | None:
+        rows = [i for i, g in enumerate(batch.grammars) if g is not None]
+        if not rows:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(batch.params), batch.vocab_size)
+        for i in rows:
+            grammar = batch.grammars[i]
+            grammar.sync(batch.output_token_ids[i])
+            grammar.fill_bitmask(bitmask, i)
+        return cls(rows, bitmask)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        import xgrammar as xgr
+
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=self.rows)
+        return logits
 
 
 class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
@@ -199,6 +232,7 @@ class MinPLogitsProcessor(LogitsProcessor):
 
 # The order the sampler applies them in, per kind (see the module docstring).
 LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
+    GrammarBitmaskLogitsProcessor,
     AllowedTokenIdsLogitsProcessor,
     BadWordsLogitsProcessor,
     MinTokensLogitsProcessor,

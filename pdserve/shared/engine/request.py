@@ -86,7 +86,7 @@ class Request:
         "cache_salt", "eos_token_ids", "num_computed_tokens", "status", "block_hashes", "num_cached_tokens",
         "generator", "max_tokens", "stop_reason", "num_preemptions", "parent_id", "index", "prefill_only",
         "first_token_time", "logprobs", "cumulative_logprob", "prompt_logprobs", "num_tokens_to_recompute",
-        "spec_token_ids",
+        "spec_token_ids", "grammar",
     )
 
     def __init__(
@@ -130,6 +130,8 @@ class Request:
         self.first_token_time: float | None = None
         # draft tokens proposed for the next step (speculative decoding); never part of all_token_ids
         self.spec_token_ids: list[int] = []
+        # structured outputs: the sequence's RequestGrammar (structured_output.py), set by the engine
+        self.grammar = None
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sampling_params.logprobs is not None else None
         # per prompt position, filled as prefill chunks run; position 0 has no logprob (vLLM's None)

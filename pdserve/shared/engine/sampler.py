@@ -135,16 +135,18 @@ class SamplingMetadata:
         eos_token_ids: Iterable[int],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        grammars: Sequence = (),
     ) -> SamplingMetadata:
         """Build the step's metadata; every sequence has one entry per logits row.
 
         ``generators[i]``: the seeded request's ``torch.Generator().manual_seed(seed)`` (CPU, kept by
         the engine across steps), or ``None`` for the sampler's own generator. ``eos_token_ids``:
         the model's EOS ids (``ignore_eos`` requests are exempt). ``prompt_token_ids`` is only read
-        for rows with a repetition penalty.
+        for rows with a repetition penalty. ``grammars[i]``: the row's ``RequestGrammar`` or ``None`` (may be
+        empty when no row has one).
         """
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        batch = ProcessorBatch(params, output_token_ids, tuple(eos_token_ids), vocab_size, device)
+        batch = ProcessorBatch(params, output_token_ids, tuple(eos_token_ids), vocab_size, device, grammars)
         return cls(
             num_rows=len(params),
             vocab_size=vocab_size,

@@ -151,7 +151,8 @@ class OutputEvent:
     the worker holds back what a stop string might still cut). ``logprobs`` (when the request asked for them)
     has one ``TokenLogprob`` per token in ``token_ids``. ``completion_tokens`` counts all tokens generated so far
     (cumulative), ``prompt_tokens`` the prompt length. The final event has ``finish_reason`` ("stop" | "length"
-    | "abort") or ``error`` ({"message", "type", "code": HTTP status int}); nothing follows it.
+    | "abort") or ``error`` ({"message", "type", "code": HTTP status int, and "param" when a 400 names a request
+    field}); nothing follows it.
     ``stop_reason`` is the stop string or stop token id that ended the request (vLLM's field), ``None`` for EOS
     or length. ``first_token_time`` (unix s, when the first token was sampled) rides on the first event;
     ``num_cached_tokens`` is the prompt's prefix-cache hit on the prefill side. ``prompt_logprobs`` (requests

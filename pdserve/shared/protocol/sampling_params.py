@@ -8,7 +8,8 @@ body's ``param`` without parsing messages. Messages read ``"<param> must be <rul
 Wire rule (Redis entries, the KV hand-over's ``Commit`` frame, resumes): :meth:`SamplingParams.to_dict`, whose
 values are only ``None``, bools, numbers, strings and lists of them, never a map: a map with integer keys
 survives msgpack with ``strict_map_key=False`` but not the frame decoder (``strict_map_key=True``), and JSON
-turns its keys into strings. So ``logit_bias`` travels as ``[[token_id, bias], ...]`` pairs, sorted by id.
+turns its keys into strings. So ``logit_bias`` travels as ``[[token_id, bias], ...]`` pairs, sorted by id, and
+``structured_outputs`` as one ``[kind, spec]`` pair (``["json", "<schema text>"]``).
 The logits processors' fields are left out while unset, so pods of the version before them (whose
 ``from_dict`` refuses unknown keys) keep serving the requests that do not use them during a rolling upgrade.
 """
@@ -108,6 +109,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # derived from bad_words (update_from_tokenizer)
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.stop = self._normalise_stop(self.stop)
@@ -116,6 +118,7 @@ class SamplingParams:
         self.allowed_token_ids = self._normalise_allowed_token_ids(self.allowed_token_ids)
         self.bad_words = self._normalise_bad_words(self.bad_words)
         self.bad_words_token_ids = self._normalise_bad_words_token_ids(self.bad_words_token_ids)
+        self.structured_outputs = normalise_structured_outputs(self.structured_outputs)
         self._verify()
         if self.is_greedy:
             # As vLLM: greedy decoding ignores the truncation filters.
@@ -340,6 +343,8 @@ class SamplingParams:
                 value = [[token, bias] for token, bias in sorted(value.items())]
             elif f.name == "bad_words_token_ids" and value is not None:
                 value = [list(seq) for seq in value]
+            elif f.name == "structured_outputs":
+                value = [self.structured_kind, value[self.structured_kind]]
             out[f.name] = list(value) if isinstance(value, list) else value
         return out
 
@@ -351,6 +356,11 @@ class SamplingParams:
             if key not in known:
                 raise SamplingParamsError(str(key), f"unknown sampling parameter {key!r}")
         return cls(**data)
+
+    @property
+    def structured_kind(self) -> str | None:
+        """Which ``structured_outputs`` key is set (``"json"``, ``"regex"``, ...), or ``None``."""
+        return next(iter(self.structured_outputs)) if self.structured_outputs else None
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -368,4 +378,99 @@ class SamplingParams:
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
 # Added after the wire's first version: left out of to_dict while unset (see the module docstring).
-_OMITTED_WHEN_UNSET = frozenset({"logit_bias", "allowed_token_ids", "bad_words", "bad_words_token_ids"})
+_OMITTED_WHEN_UNSET = frozenset({"logit_bias", "allowed_token_ids", "bad_words", "bad_words_token_ids",
+                                 "structured_outputs"})
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# A schema, regex or grammar is compiled per request (cached by its text): bound what one request may send.
+MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
+
+
+def normalise_structured_outputs(value: Any) -> dict[str, Any] | None:
+    """The canonical ``structured_outputs`` map: one key of ``STRUCTURED_OUTPUT_KINDS``, a ``json`` schema as
+    compact JSON text (key order kept: it is the order the properties are generated in). ``None`` / ``{}`` / keys
+    set to null (vLLM's dataclass sends them) mean unset. Raises ``SamplingParamsError("structured_outputs")``
+    for any other shape; whether the schema, regex or grammar compiles is the engine's check."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str):
+        value = {value[0]: value[1]}  # the wire form
+    if not isinstance(value, dict):
+        raise _fail("structured_outputs", "a map with one of the keys " + ", ".join(STRUCTURED_OUTPUT_KINDS), value)
+    set_keys = {k: v for k, v in value.items() if v is not None and v is not False}
+    unknown = [k for k in set_keys if k not in STRUCTURED_OUTPUT_KINDS]
+    if unknown:
+        raise SamplingParamsError("structured_outputs", f"structured_outputs has unsupported key(s) {unknown}; "
+                                  f"supported: {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+    if not set_keys:
+        return None
+    if len(set_keys) > 1:
+        raise SamplingParamsError("structured_outputs", "structured_outputs must set exactly one of "
+                                  f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {sorted(set_keys)}")
+    (kind, spec), = set_keys.items()
+    if kind == "json":
+        spec = _schema_text(spec)
+    elif kind == "json_object":
+        if spec is not True:
+            raise _fail("structured_outputs", "json_object: true", spec)
+    elif kind == "choice":
+        if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) for c in spec):
+            raise _fail("structured_outputs", "choice: a non-empty list of strings", spec)
+        spec = list(spec)
+    elif not isinstance(spec, str) or not spec:
+        raise _fail("structured_outputs", f"{kind}: a non-empty string", spec)
+    size = len(spec) if isinstance(spec, str) else sum(len(c) for c in spec) if kind == "choice" else 0
+    if size > MAX_STRUCTURED_OUTPUT_CHARS:
+        raise SamplingParamsError("structured_outputs", f"structured_outputs {kind} must be at most "
+                                  f"{MAX_STRUCTURED_OUTPUT_CHARS} characters, got {size}")
+    return {kind: spec}
+
+
+# JSON-schema keywords the grammar compiler (xgrammar) would silently not enforce: refused, so that an answer is
+# never claimed to follow a schema it may break (vLLM falls back to another backend for these).
+UNSUPPORTED_JSON_SCHEMA_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "dependentSchemas",
+    "dependentRequired", "unevaluatedProperties", "unevaluatedItems", "propertyNames", "minProperties",
+    "maxProperties", "multipleOf", "patternProperties"})
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties")
+
+
+def unsupported_json_schema_keyword(schema: Any, path: str = "") -> str | None:
+    """The first keyword of ``UNSUPPORTED_JSON_SCHEMA_KEYWORDS`` used anywhere in ``schema``, as ``path/keyword``,
+    or ``None`` (property names are names, not keywords)."""
+    if not isinstance(schema, dict):
+        return None
+    for key in schema:
+        if key in UNSUPPORTED_JSON_SCHEMA_KEYWORDS:
+            return f"{path}{key}"
+    children = [(f"{k}/{name}/", sub) for k in _SUBSCHEMA_MAPS if isinstance(schema.get(k), dict)
+                for name, sub in schema[k].items()]
+    children += [(f"{k}/{i}/", sub) for k in _SUBSCHEMA_LISTS if isinstance(schema.get(k), list)
+                 for i, sub in enumerate(schema[k])]
+    children += [(f"{k}/", schema[k]) for k in _SUBSCHEMAS if k in schema]
+    for where, sub in children:
+        found = unsupported_json_schema_keyword(sub, path + where)
+        if found is not None:
+            return found
+    return None
+
+
+def _schema_text(schema: Any) -> str:
+    import json
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise SamplingParamsError("structured_outputs", f"structured_outputs json is not valid JSON: {exc}") \
+                from exc
+    if not isinstance(schema, (dict, bool)):
+        raise _fail("structured_outputs", "json: a JSON schema (an object)", schema)
+    keyword = unsupported_json_schema_keyword(schema)
+    if keyword is not None:
+        raise SamplingParamsError("structured_outputs", f"structured_outputs json uses {keyword!r}, a JSON-schema "
+                                  "keyword the grammar cannot enforce; unsupported: "
+                                  + ", ".join(sorted(UNSUPPORTED_JSON_SCHEMA_KEYWORDS)))
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

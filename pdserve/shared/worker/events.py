@@ -61,8 +61,13 @@ def prompt_logprobs_wire(out: RequestOutput) -> list | None:
             for entry in out.prompt_logprobs]
 
 
-def error_event(request_id: str, message: str, code: int, type_: str = "ServiceUnavailableError") -> OutputEvent:
-    return OutputEvent(request_id=request_id, error={"message": message, "type": type_, "code": code})
+def error_event(request_id: str, message: str, code: int, type_: str = "ServiceUnavailableError",
+                param: str | None = None) -> OutputEvent:
+    """``param``: the request field a 400 is about (the router's OpenAI error body names it)."""
+    error = {"message": message, "type": type_, "code": code}
+    if param is not None:
+        error["param"] = param
+    return OutputEvent(request_id=request_id, error=error)
 
 
 async def publish(writer: OutputWriter, redis, events: list[OutputEvent], retry_s: float = 60.0) -> None:

@@ -87,7 +87,9 @@ class SpecDecoder:
         candidates = []
         for request in running:
             request.spec_token_ids = []
-            if request.num_computed_tokens == request.num_tokens - 1 and not request.prefill_only:
+            # no drafts under a grammar: verifying them would need the matcher rolled back per rejected draft
+            if request.num_computed_tokens == request.num_tokens - 1 and not request.prefill_only \
+                    and request.grammar is None:
                 candidates.append(request)
         for i, request in enumerate(candidates):
             if budget <= 0:
