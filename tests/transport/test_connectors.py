@@ -135,7 +135,7 @@ async def test_shm_refuses_blocks_whose_bytes_changed_after_their_checksum(layou
     try:
         async with sender(connector, server, layout) as client:
             await client.reserve(Reserve("r", [1] * 20, 20, [], None))
-            with pytest.raises(KVTransferError, match="CRC-32 .* the bytes changed"):
+            with pytest.raises(KVTransferError, match="CRC-32C .* the bytes changed"):
                 await client.send_blocks("r", 0, random_blocks(layout, 2))
             assert receiver.released == ["r"] and receiver.used_blocks == 0
     finally:

@@ -243,8 +243,9 @@ class ShmProbeReply:
 @dataclass(slots=True)
 class ShmBlocks:
     """``shm`` connector: a :class:`Blocks` frame whose bytes lie in the shared-memory file ``segment`` (from byte
-    ``offset``, ``prod(shape) * itemsize`` bytes) instead of a payload. ``crc32``: zlib's CRC-32 of those bytes, checked
-    by the decode pod before it takes them (TCP checksums its segments; a shared file has no such check). Answered by
+    ``offset``, ``prod(shape) * itemsize`` bytes) instead of a payload. ``crc32c``: the CRC-32C (Castagnoli, as iSCSI
+    and ext4 use) of those bytes, checked by the decode pod before it takes them (TCP checksums its segments; a
+    shared file has no such check). Answered by
     :class:`BlocksReply`; the sender may reuse the segment once it has the reply."""
 
     TYPE: ClassVar[str] = "shm_blocks"
@@ -254,7 +255,7 @@ class ShmBlocks:
     shape: list[int]
     segment: str
     offset: int
-    crc32: int
+    crc32c: int
 
     def nbytes(self) -> int:
         return Blocks(self.request_id, self.first_block_index, self.dtype, self.shape).expected_payload_len()

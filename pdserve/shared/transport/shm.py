@@ -2,8 +2,8 @@
 
 Control stays on the TCP connection (handshake with layout check and HMAC, reserve, commit, abort, leases: the tcp
 connector's server and client). Only the block bytes change path: the sender copies them once into a shared-memory
-file it owns and sends an :class:`ShmBlocks` frame (file, offset, shape, CRC-32); the decode pod maps the file, checks
-the CRC-32 and copies the bytes once into its KV pool. With TCP the same bytes cross the socket: written into the
+file it owns and sends an :class:`ShmBlocks` frame (file, offset, shape, CRC-32C); the decode pod maps the file, checks
+the CRC-32C and copies the bytes once into its KV pool. With TCP the same bytes cross the socket: written into the
 kernel's buffer, then read out of it. Once per connection an :class:`ShmProbe` proves the decode pod reads this pod's
 ``/dev/shm``; when it does not (another host, another mount namespace, another user), connecting fails with an
 error that says so and names the tcp connector.
@@ -14,16 +14,17 @@ connection closes; a sender killed with SIGKILL leaves them behind (``rm /dev/sh
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
 import secrets
 import time
 import uuid
-import zlib
 from pathlib import Path
 from typing import ClassVar
 
+import crc32c
 import numpy as np
 import torch
 
@@ -32,6 +33,8 @@ from pdserve.shared.transport.connector import KVConnector
 from pdserve.shared.transport.frames import Blocks, BlocksReply, ShmBlocks, ShmProbe, ShmProbeReply
 from pdserve.shared.transport.layout import DTYPES
 from pdserve.shared.transport.server import KVTransferServer
+
+log = logging.getLogger("pdserve.transport")
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"pdserve-kv-[0-9a-f]{32}")
@@ -53,12 +56,12 @@ class _Segment:
             os.close(fd)
 
     def write(self, data: torch.Tensor) -> int:
-        """Copies ``data`` (CPU, contiguous) to the start of the file; returns the CRC-32 of its bytes."""
+        """Copies ``data`` (CPU, contiguous) to the start of the file; returns the CRC-32C of its bytes."""
         raw = data.view(torch.uint8).reshape(-1)
         dst = torch.from_numpy(np.frombuffer(self.mm, dtype=np.uint8, count=raw.numel()))
         dst.copy_(raw)
         del dst  # no buffer export may outlive this call: unlink() closes the map
-        return zlib.crc32(memoryview(self.mm)[:raw.numel()])
+        return crc32c.crc32c(memoryview(self.mm)[:raw.numel()])
 
     def unlink(self) -> None:
         self.mm.close()
@@ -90,6 +93,7 @@ class ShmKVTransferClient(KVTransferClient):
         except BaseException:
             await self.close()
             raise
+        log.info("KV blocks to decode pod %s go through shared memory (kv_connector shm)", self.peer)
 
     async def _probe(self) -> None:
         token = secrets.token_bytes(16)
@@ -154,7 +158,15 @@ class ShmKVTransferClient(KVTransferClient):
 
 
 class ShmKVTransferServer(KVTransferServer):
-    """A :class:`KVTransferServer` that also takes :class:`ShmBlocks` (and still takes ``Blocks``)."""
+    """A :class:`KVTransferServer` that also takes :class:`ShmBlocks` (and still takes ``Blocks``).
+
+    Senders reuse their files, so the server keeps its mappings of the last few (mapping a file again costs a page
+    fault per 4 KiB on the next read). A kept mapping of a file its sender removed is dropped at the next new file.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._maps: dict[str, tuple[int, mmap.mmap]] = {}  # segment name -> (inode, private read mapping)
 
     def shm_probe(self, msg: ShmProbe) -> ShmProbeReply:
         try:
@@ -168,19 +180,35 @@ class ShmKVTransferServer(KVTransferServer):
 
     def blocks_tensor(self, msg: Blocks | ShmBlocks) -> torch.Tensor:
         """The blocks of ``msg``: a ``ShmBlocks`` frame's are a private mapping of the sender's file (no copy), once
-        their CRC-32 matches. Raises ``ValueError`` (bad name, out of range, wrong checksum) or ``OSError``."""
+        their CRC-32C matches. Raises ``ValueError`` (bad name, out of range, wrong checksum) or ``OSError``."""
         if isinstance(msg, Blocks):
             return msg.to_tensor()
         nbytes = msg.nbytes()
-        with open(_segment_path(msg.segment), "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mm = self._mapping(msg.segment)
         if msg.offset < 0 or msg.offset + nbytes > len(mm):
             raise ValueError(f"{msg.segment}: bytes {msg.offset}..{msg.offset + nbytes} lie outside its {len(mm)}")
-        crc = zlib.crc32(memoryview(mm)[msg.offset:msg.offset + nbytes])
-        if crc != msg.crc32:
-            raise ValueError(f"{msg.segment}: CRC-32 {crc:#010x} != {msg.crc32:#010x} sent: the bytes changed")
+        crc = crc32c.crc32c(memoryview(mm)[msg.offset:msg.offset + nbytes])
+        if crc != msg.crc32c:
+            raise ValueError(f"{msg.segment}: CRC-32C {crc:#010x} != {msg.crc32c:#010x} sent: the bytes changed")
         raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=msg.offset)
         return raw.view(DTYPES[msg.dtype]).reshape(msg.shape)
+
+
+    def _mapping(self, name: str) -> mmap.mmap:
+        """A private (copy-on-write, never written) mapping of the whole file: the sender's later writes show."""
+        path = _segment_path(name)
+        inode = os.stat(path).st_ino
+        kept = self._maps.get(name)
+        if kept is not None and kept[0] == inode:
+            return kept[1]
+        for other in [n for n in self._maps if not (SHM_DIR / n).exists()]:
+            del self._maps[other]  # its sender removed it; tensors still using the mapping keep it alive
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._maps[name] = (inode, mm)
+        while len(self._maps) > 2 * _KEPT_SEGMENTS:
+            del self._maps[next(iter(self._maps))]
+        return mm
 
 
 class ShmConnector(KVConnector):
