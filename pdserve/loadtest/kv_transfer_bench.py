@@ -299,7 +299,13 @@ def kv_transfer_command(num_blocks: int, repeats: int, dtypes: tuple[str, ...], 
     torch.set_num_threads(1)
     if connectors:
         for name in connectors:
-            KVConnectorFactory.create_connector({"kv_connector": name})  # a clear error for an unknown name
+            try:
+                KVConnectorFactory.create_connector({"kv_connector": name})
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--connector") from None
+            if name == "loopback":
+                raise click.BadParameter("loopback serves only its own process; the bench's server is another one",
+                                         param_hint="--connector")
         rows = run_connectors(list(connectors), num_blocks, repeats, turns, list(dtypes))
         click.echo(format_connectors(rows, num_blocks, repeats, turns))
         return

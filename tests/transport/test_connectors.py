@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 
 import pytest
-import torch
 from support.kv_pool import PoolReceiver
 from test_kv_transfer import SECRET, commit_msg, random_blocks, same_bits
 
