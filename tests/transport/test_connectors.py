@@ -148,8 +148,9 @@ async def test_shm_to_a_pod_that_does_not_share_dev_shm_fails_at_connect_naming_
     # the decode pod looks into another /dev/shm, as on another host
     monkeypatch.setattr(shm, "_segment_path", lambda name: tmp_path / name)
     try:
-        with pytest.raises(KVTransferError, match="not on the same host.*kv_connector.*tcp"):
+        with pytest.raises(KVTransferError, match="not on the same host.*kv_connector.*tcp") as exc:
             await sender(connector, server, layout).connect()
+        assert exc.value.unreachable  # the router moves the request to another decode pod
     finally:
         await server.stop()
 

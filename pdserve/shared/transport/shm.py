@@ -103,10 +103,10 @@ class ShmKVTransferClient(KVTransferClient):
             reply = await self._call(ShmProbe(segment.name, token), ShmProbeReply)
         finally:
             segment.unlink()
-        if not reply.ok:
+        if not reply.ok:  # unreachable for this pod: the router moves the request and avoids that pod a while
             raise KVTransferError(f"decode pod {self.peer} cannot take KV blocks through shared memory: {reply.error}. "
                                   f"The shm connector needs both pods on one host sharing /dev/shm; otherwise use "
-                                  f"--kv-transfer-config '{{\"kv_connector\": \"tcp\"}}'")
+                                  f"--kv-transfer-config '{{\"kv_connector\": \"tcp\"}}'", connection_lost=True)
 
     async def send_blocks(self, request_id: str, first_block_index: int, blocks: torch.Tensor) -> int:
         """As :meth:`KVTransferClient.send_blocks`, in one :class:`ShmBlocks` frame whatever the size."""
