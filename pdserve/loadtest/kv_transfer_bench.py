@@ -14,6 +14,11 @@ block 16; 360 KiB per block in bf16) travel from this process to a server proces
 
 Each figure is the median over ``--repeats`` transfers of bytes / (first byte sent .. ack received).
 The machine's other load shows in the numbers: run on an idle machine for stable figures.
+
+``--connector tcp --connector shm`` (``--turns N``) compares KV connectors instead (docs/ensemble.md "KV
+connectors"), in turns (A B A B, a fresh server process each turn): the hand-over's latency (reserve, blocks,
+commit; median over ``--repeats``) and the CPU-seconds per block of both processes (sender and decode side, from
+/proc), for each dtype.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.transport import (
     Commit, CommitReply, FrameLimits, KVLayout, KVTransferClient, KVTransferServer, Reserve, ReserveReply,
 )
+from pdserve.shared.transport.connector import KVConnectorFactory
 
 SECRET = "kv-transfer-bench"
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, model="smollm2-135m-instruct")
@@ -67,6 +73,84 @@ def _serve_kv(layout_dict: dict, num_blocks: int, port_q: mp.Queue) -> None:
         port_q.put(server.port)
         await asyncio.Event().wait()
     asyncio.run(main())
+
+
+def _serve_connector(name: str, layout_dict: dict, num_blocks: int, port_q: mp.Queue) -> None:
+    async def main() -> None:
+        layout = KVLayout(**layout_dict)
+        connector = KVConnectorFactory.create_connector({"kv_connector": name})
+        server = connector.receiver_server(_PoolSink(layout, num_blocks), SECRET, "127.0.0.1", 0,
+                                           limits=FrameLimits(max_payload_bytes=1 << 30))
+        await server.start()
+        port_q.put(server.port)
+        await asyncio.Event().wait()
+    torch.set_num_threads(1)
+    asyncio.run(main())
+
+
+def _cpu_s(pid: int | None = None) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+async def _bench_connector(name: str, layout: KVLayout, blocks: torch.Tensor, repeats: int) -> dict:
+    """One turn of one connector: hand-over latencies (s) and CPU-s of sender and receiver over the timed ones."""
+    proc, port = _spawn(_serve_connector, name, layout.to_dict(), blocks.shape[0])
+    try:
+        connector = KVConnectorFactory.create_connector({"kv_connector": name})
+        client = connector.client_class("127.0.0.1", port, layout, SECRET,
+                                        limits=FrameLimits(max_payload_bytes=1 << 30))
+        await client.connect()
+        n_tokens = blocks.shape[0] * layout.block_size
+        times, cpu = [], {}
+        for i in range(repeats + 1):  # the first is a warm-up
+            if i == 1:
+                cpu = {"sender": _cpu_s(), "receiver": _cpu_s(proc.pid)}
+            rid = f"bench-{i}"
+            start = time.perf_counter()
+            await client.reserve(Reserve(rid, [0] * n_tokens, n_tokens, [], None))
+            await client.send_blocks(rid, 0, blocks)
+            reply = await client.commit(Commit(rid, 0, SamplingParams(), [0] * n_tokens, time.time()))
+            assert reply.ok
+            times.append(time.perf_counter() - start)
+        cpu = {"sender": _cpu_s() - cpu["sender"], "receiver": _cpu_s(proc.pid) - cpu["receiver"]}
+        await client.close()
+        return {"times": times[1:], **cpu}
+    finally:
+        proc.kill()
+
+
+def run_connectors(connectors: list[str], num_blocks: int, repeats: int, turns: int, dtypes: list[str]) -> list[dict]:
+    """Per dtype and connector, over ``turns`` turns (A B A B): median hand-over ms and CPU-ms per block."""
+    rows = []
+    for dtype in dtypes:
+        layout = KVLayout(dtype=dtype, **SMOLLM2)
+        blocks = torch.randn(num_blocks, *layout.block_shape).to(layout.torch_dtype)
+        got: dict[str, list[dict]] = {name: [] for name in connectors}
+        for _ in range(turns):
+            for name in connectors:
+                got[name].append(asyncio.run(_bench_connector(name, layout, blocks, repeats)))
+        for name, turns_ in got.items():
+            n = repeats * turns * num_blocks
+            rows.append(dict(dtype=dtype, connector=name, mib=blocks.numel() * blocks.element_size() / 2**20,
+                             ms=statistics.median(t for r in turns_ for t in r["times"]) * 1e3,
+                             per_turn=[statistics.median(r["times"]) * 1e3 for r in turns_],
+                             sender_us=sum(r["sender"] for r in turns_) / n * 1e6,
+                             receiver_us=sum(r["receiver"] for r in turns_) / n * 1e6))
+    return rows
+
+
+def format_connectors(rows: list[dict], num_blocks: int, repeats: int, turns: int) -> str:
+    lines = [f"KV connectors in turns: {num_blocks} blocks of SmolLM2-135M's layout per hand-over, {repeats} "
+             f"hand-overs x {turns} turns; ms: median hand-over (reserve + blocks + commit); CPU-us per block",
+             f"{'dtype':<10}{'connector':<11}{'MiB':>7}{'ms':>9}{'ms per turn':>24}{'sender':>9}{'receiver':>10}"]
+    for r in rows:
+        per_turn = " ".join(f"{t:.1f}" for t in r["per_turn"])
+        lines.append(f"{r['dtype']:<10}{r['connector']:<11}{r['mib']:>7.1f}{r['ms']:>9.2f}{per_turn:>24}"
+                     f"{r['sender_us']:>9.1f}{r['receiver_us']:>10.1f}")
+    return "\n".join(lines)
 
 
 def _serve_asyncio(port_q: mp.Queue) -> None:
@@ -205,9 +289,26 @@ def format_table(rows: list[dict], num_blocks: int, repeats: int) -> str:
 @click.option("--repeats", type=click.IntRange(min=1), default=7, show_default=True)
 @click.option("--dtype", "dtypes", type=click.Choice(["bfloat16", "float32", "float16"]), multiple=True,
               default=("bfloat16", "float32"), show_default=True)
-def kv_transfer_command(num_blocks: int, repeats: int, dtypes: tuple[str, ...]) -> None:
-    """KV-transfer throughput over loopback next to a plain socket copy of the same bytes."""
+@click.option("--connector", "connectors", multiple=True,
+              help="Compare these KV connectors in turns instead (e.g. --connector tcp --connector shm).")
+@click.option("--turns", type=click.IntRange(min=1), default=2, show_default=True, help="Turns with --connector.")
+def kv_transfer_command(num_blocks: int, repeats: int, dtypes: tuple[str, ...], connectors: tuple[str, ...],
+                        turns: int) -> None:
+    """KV-transfer throughput over loopback next to a plain socket copy of the same bytes, or KV connectors
+    compared in turns (--connector)."""
     torch.set_num_threads(1)
+    if connectors:
+        for name in connectors:
+            try:
+                KVConnectorFactory.create_connector({"kv_connector": name})
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--connector") from None
+            if name == "loopback":
+                raise click.BadParameter("loopback serves only its own process; the bench's server is another one",
+                                         param_hint="--connector")
+        rows = run_connectors(list(connectors), num_blocks, repeats, turns, list(dtypes))
+        click.echo(format_connectors(rows, num_blocks, repeats, turns))
+        return
     click.echo(format_table(run(num_blocks, repeats, list(dtypes)), num_blocks, repeats))
 
 

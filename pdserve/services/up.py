@@ -188,7 +188,7 @@ FORWARDED = [(WorkerSettings, "dtype"), (WorkerSettings, "max_model_len"), (Work
              (RouterSettings, "ttft_slo_ms"), (RouterSettings, "tpot_slo_ms"), (RouterSettings, "prefill_tokens_per_s"),
              (RouterSettings, "chat_template"), (RouterSettings, "tool_call_parser"),
              (RouterSettings, "enable_auto_tool_choice"),
-             (WorkerSettings, "speculative_config"),
+             (WorkerSettings, "speculative_config"), (WorkerSettings, "kv_transfer_config"),
              (WorkerSettings, "device"), (WorkerSettings, "enforce_eager"),
              (WorkerSettings, "max_cudagraph_capture_size"), (WorkerSettings, "kv_offloading_size"),
              (WorkerSettings, "kv_offloading_disk_path"), (WorkerSettings, "kv_offloading_disk_size")]
@@ -199,7 +199,8 @@ def forwarded_options(fn):
     """One click option per ``FORWARDED`` setting (``--speculative-config`` checked here, before anything starts)."""
     for cls, name in reversed(FORWARDED):
         field = cls.model_fields[name]
-        extra = {"callback": _speculative_config} if name == "speculative_config" else {}
+        extra = {"callback": {"speculative_config": _speculative_config,
+                              "kv_transfer_config": _kv_transfer_config}[name]} if name in _CHECKED else {}
         help_ = f"{field.description} [{ENGINE_FLAGS[name]}, forwarded to the children that read it]"
         fn = cli_option(cls, name, help=help_, **extra)(fn)
     return fn
@@ -215,6 +216,21 @@ def _speculative_config(ctx, param, value):
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
     return value
+
+
+def _kv_transfer_config(ctx, param, value):
+    """Check the connector name here: a typo fails ``pdserve up`` at once, listing the registered ones."""
+    if value is not None:
+        from pdserve.shared.transport.connector import KVTransferConfig
+
+        try:
+            KVTransferConfig.parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
+_CHECKED = ("speculative_config", "kv_transfer_config")
 
 
 def external_redis_url(opts: UpOptions) -> str | None:

@@ -465,6 +465,25 @@ def test_up_checks_the_speculative_config_before_starting_anything():
     assert "speculative_config.num_speculative_tokens must be an integer >= 1" in result.output
 
 
+def test_up_refuses_an_unknown_kv_connector_before_starting_anything_naming_the_registered_ones():
+    from click.testing import CliRunner
+
+    from pdserve.services.up import command
+
+    result = CliRunner().invoke(command, ["--kv-transfer-config", '{"kv_connector": "nixl"}'])
+    assert result.exit_code == 2
+    assert "unknown kv_connector 'nixl'; registered: loopback, shm, tcp" in result.output
+
+
+def test_a_worker_refuses_an_unknown_kv_connector_at_its_settings():
+    from pydantic import ValidationError
+
+    from pdserve.services.decode.settings import DecodeSettings
+
+    with pytest.raises(ValidationError, match="unknown kv_connector 'rdma'; registered: loopback, shm, tcp"):
+        DecodeSettings(kv_transfer_config='{"kv_connector": "rdma"}')
+
+
 @pytest.mark.slow
 def test_stop_gives_the_router_its_own_drain_before_sigkill(tmp_path):
     """One drain setting (issue 30): ``up`` used to SIGKILL the router at ``--stop-timeout-s`` (10 s) after giving it

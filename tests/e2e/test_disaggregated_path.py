@@ -52,6 +52,26 @@ def offline():
     return LLM(MODEL, dtype="float32")
 
 
+def test_greedy_through_the_shm_connector_equals_offline_engine(tmp_path, offline, prompt_of):
+    """``--kv-transfer-config '{"kv_connector": "shm"}'``: the blocks cross /dev/shm instead of the socket.
+    Its own ensemble, started and stopped before the module's tcp one (one ensemble at a time). Oracle: the
+    offline engine's greedy text; every block arrived; the prefill pod's log says it used shared memory."""
+    from pdserve import SamplingParams
+
+    lengths = [17, 120]
+    prompts = [prompt_of(n, offset=5 * i) for i, n in enumerate(lengths)]
+    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    with Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32",
+                  "--kv-transfer-config", '{"kv_connector": "shm"}', log_dir=tmp_path) as ens:
+        shm_client = openai.OpenAI(base_url=f"{ens.router_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        for prompt, expected in zip(prompts, want):
+            got = shm_client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+            assert got.choices[0].text == expected.outputs[0].text, len(prompt)
+        assert ens.stats(ens.pods("decode")[0])["kv_blocks_received"] == sum(-(-n // 16) for n in lengths)
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+    assert "through shared memory (kv_connector shm)" in logs
+
+
 def test_chat_answers_paris_streamed_and_not_identical(client, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)

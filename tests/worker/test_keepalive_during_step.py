@@ -141,9 +141,9 @@ def test_a_request_aborted_during_its_first_ask_for_blocks_never_joins_the_line(
 
         client = SimpleNamespace(reserve=reserve)
         try:
-            await asyncio.wait_for(worker._reserve(client, req, Reserve("late", [1, 2, 3], 3, [], None)), 5)
+            await asyncio.wait_for(worker.handover.reserve(client, req, Reserve("late", [1, 2, 3], 3, [], None)), 5)
         except RequestAborted:
-            return asked, dict(worker._kv_waiting)
+            return asked, dict(worker.handover.waiting)
         raise AssertionError("the reservation did not end with RequestAborted")
 
     asked, waiting = run_blocked(redis_url, scenario)

@@ -21,6 +21,7 @@ from pdserve.shared.logs import logging_request
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
 from pdserve.shared.streams import ensure_group, is_nogroup
+from pdserve.shared.transport.connector import KVConnectorFactory
 from pdserve.shared.transport.frames import Commit, CommitReply, Reserve, ReserveReply
 from pdserve.shared.transport.server import KVTransferServer
 from pdserve.shared.worker.base import Worker
@@ -130,14 +131,15 @@ class DecodeWorker(Worker):
         super().__init__(settings)
         self.kv_port = settings.kv_port
         self.colocated = settings.colocated
+        self.connector = KVConnectorFactory.create_connector(settings.kv_transfer_config)
         self.kv_server: KVTransferServer | None = None
         self.handed_over = HandedOver(settings.handover_memory_s, settings.handover_memory_max)
         self.admissions: set[asyncio.Task] = set()  # batches read from the local queue, waiting to reach the engine
 
     async def start_role(self) -> None:
         s = self.settings
-        self.kv_server = KVTransferServer(DecodeReceiver(self), s.kv_transfer_secret, s.host, s.kv_port,
-                                          lease_ttl_s=s.lease_ttl_s)
+        self.kv_server = self.connector.receiver_server(DecodeReceiver(self), s.kv_transfer_secret, s.host, s.kv_port,
+                                                        lease_ttl_s=s.lease_ttl_s)
         await self.kv_server.start()
         self.kv_port = self.kv_server.port
         self.tasks += [asyncio.create_task(self._consume_local()), asyncio.create_task(self._reap_orphans())]
@@ -301,7 +303,8 @@ class DecodeWorker(Worker):
         await publish(self.writer, self.redis, [error_event(request_id, message, 400, "BadRequestError", param)])
 
     def pod_fields(self) -> dict:
-        return {"kv_port": self.kv_port, "colocated": self.colocated}
+        endpoint = self.connector.pod_fields(self.kv_server) if self.kv_server is not None else {"kv_port": self.kv_port}
+        return {**endpoint, "colocated": self.colocated}
 
     def worker_stats(self) -> dict:
         stats = super().worker_stats()

@@ -27,22 +27,18 @@ from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import BadSamplingParams, MessageError, PrefillRequest
 from pdserve.shared.registry_client import RegistryError
 from pdserve.shared.streams import ensure_group, is_nogroup
-from pdserve.shared.transport.client import KVTransferClient, KVTransferError
-from pdserve.shared.transport.frames import Commit, Reserve
+from pdserve.shared.transport.client import KVTransferError
+from pdserve.shared.transport.connector import KVConnectorFactory
 from pdserve.shared.transport.handshake import HandshakeError
-from pdserve.shared.transport.pool import KVClientPool
 from pdserve.shared.worker.base import Worker
 from pdserve.shared.worker.events import error_event, publish
 from pdserve.shared.worker.redis_retry import retry_redis
 from pdserve.shared.worker.tracked import Tracked
 
+from pdserve.services.prefill.handover import KVHandover, RequestAborted
 from pdserve.services.prefill.settings import PrefillSettings
 
 logger = logging.getLogger(__name__)
-
-
-class RequestAborted(Exception):
-    """The request was aborted (``PrefillWorker.abort``) before its transfer could wait for the decode pod."""
 
 
 class PrefillWorker(Worker):
@@ -57,19 +53,20 @@ class PrefillWorker(Worker):
         # entry id -> (request id or None, when delivered) of a delivered batch not admitted yet: touched as well, and
         # kept alive toward the router (admitting one waits for an engine step: the last of a batch waits many)
         self._delivered: dict[object, tuple[str | None, float]] = {}
-        self.clients: KVClientPool | None = None  # one connection per decode pod (made in start_role)
+        self.connector = KVConnectorFactory.create_connector(settings.kv_transfer_config)
+        # the KV hand-over through the connector (its senders are made in start_role, from the engine's KV layout)
+        self.handover = KVHandover(self.connector, None, self.metrics, lambda rid: rid in self.inflight,
+                                   settings.kv_wait_timeout_s)
         self._slots = asyncio.Semaphore(settings.max_inflight)
         self.transfers: set[asyncio.Task] = set()
         self.admissions: set[asyncio.Task] = set()  # batches read from the queue, waiting to reach the engine
-        # decode pod (host, port) -> FIFO line of finished prefills waiting for its free KV blocks
-        self._kv_lines: dict[tuple[str, int], asyncio.Lock] = {}
-        self._kv_waiting: dict[str, asyncio.Task] = {}  # request id -> its transfer, while it waits for blocks
         self.waiting_kv_bytes = 0  # exported KV of transfers not finished yet
 
     async def start_role(self) -> None:
         t = self.settings.kv_transfer_timeout_s
-        self.clients = KVClientPool(self.kv_layout(), self.settings.kv_transfer_secret, connect_timeout_s=t,
-                                    request_timeout_s=t, peer_alive=self._decode_pod_alive)
+        self.handover.senders = self.connector.sender_pool(
+            self.kv_layout(), self.settings.kv_transfer_secret, connect_timeout_s=t, request_timeout_s=t,
+            peer_alive=self._decode_pod_alive)
         await self._ensure_group()
         self.tasks += [asyncio.create_task(self._consume()), asyncio.create_task(self._reclaim()),
                        asyncio.create_task(self._touch_loop())]
@@ -80,13 +77,12 @@ class PrefillWorker(Worker):
     async def stop(self) -> None:
         for task in (*self.transfers, *self.admissions):
             task.cancel()
-        if self.clients is not None:
-            await self.clients.close()
+        await self.handover.close()
         await super().stop()
 
     def worker_stats(self) -> dict:
         stats = super().worker_stats()
-        stats.update(kv_waiting_requests=len(self._kv_waiting), kv_waiting_bytes=self.waiting_kv_bytes)
+        stats.update(kv_waiting_requests=len(self.handover.waiting), kv_waiting_bytes=self.waiting_kv_bytes)
         return stats
 
     def queued_prefill_tokens(self) -> int:
@@ -343,9 +339,7 @@ class PrefillWorker(Worker):
 
     async def abort(self, request_id: str) -> None:
         await super().abort(request_id)
-        waiting = self._kv_waiting.pop(request_id, None)
-        if waiting is not None:  # it holds no reservation yet: just leave the line
-            waiting.cancel()
+        self.handover.cancel_wait(request_id)  # waiting in line it holds no reservation yet: it just leaves
         entry = self.inflight.get(request_id)
         if entry is not None:
             self._forget(request_id)
@@ -377,61 +371,6 @@ class PrefillWorker(Worker):
             task.add_done_callback(self.transfers.discard)
 
     # KV transfer
-    async def _reserve(self, client: KVTransferClient, req: PrefillRequest, msg: Reserve, span=None):
-        """The decode pod's reservation. While it is full, wait in this pod's first-come-first-served line for
-        it (only the line's head asks again, backing off to 1 s) until it has room, or until ``_wait_limit`` (the
-        request's deadline, ``kv_wait_timeout_s``; none by default): then 503. The router hears keep-alive events
-        meanwhile (``pdserve/shared/worker/keepalive.py``); an abort cancels the wait."""
-        key = (req.decode_host, req.decode_kv_port)
-        line = self._kv_lines.setdefault(key, asyncio.Lock())
-        if not line.locked():
-            reply = await client.reserve(msg)
-            if not reply.full:
-                return reply
-        rid, limit = req.request_id, self._wait_limit(req)
-        started = time.monotonic()
-        self._kv_waiting[rid] = asyncio.current_task()
-        if rid not in self.inflight:  # aborted before it could be cancelled here: it never joins the line
-            self._kv_waiting.pop(rid, None)
-            raise RequestAborted(rid)
-        logger.info("decode pod %s has no free KV blocks for request %s: waiting in line%s", req.decode_pod_id, rid,
-                    "" if limit is None else f" (up to {limit[0]:.0f} s: {limit[1]})")
-        wait = tracing.start("kv_wait", span)  # for free decode blocks
-        try:
-            try:
-                await asyncio.wait_for(line.acquire(), None if limit is None else limit[0])
-            except (asyncio.TimeoutError, TimeoutError):
-                pass
-            else:
-                try:
-                    pause = 0.05
-                    while True:
-                        reply = await client.reserve(msg)
-                        if not reply.full:
-                            logger.info("request %s got its KV blocks on %s after waiting %.1f s", rid,
-                                        req.decode_pod_id, time.monotonic() - started)
-                            return reply
-                        if limit is not None and time.monotonic() - started + pause > limit[0]:
-                            break
-                        await asyncio.sleep(pause)
-                        pause = min(2 * pause, 1.0)
-                finally:
-                    line.release()
-            raise KVTransferError(f"decode pod {req.decode_pod_id} had no free KV blocks for "
-                                  f"{time.monotonic() - started:.0f} s ({limit[1]})")
-        finally:
-            self._kv_waiting.pop(rid, None)
-            tracing.end(wait)
-
-    def _wait_limit(self, req: PrefillRequest) -> tuple[float, str] | None:
-        """How long ``req`` may still wait for decode KV blocks (s) and what sets that, or None (no limit)."""
-        limits = []
-        if self.settings.kv_wait_timeout_s:
-            limits.append((self.settings.kv_wait_timeout_s, "--kv-wait-timeout-s"))
-        if req.deadline is not None:
-            limits.append((max(0.0, req.deadline - time.time()), "the request's deadline"))
-        return min(limits) if limits else None
-
     async def _mark(self, req: PrefillRequest, why: str | None) -> None:
         """Tell routers the decode pod's KV port failed (``why``), or works again (None)."""
         try:
@@ -452,42 +391,15 @@ class PrefillWorker(Worker):
         rid = req.request_id
         request_id.set(rid)  # this task's log lines (it runs in a context of its own)
         first_token = out.outputs[0].token_ids[-1]  # after any resumed output
-        started = time.perf_counter()
         held = kv.numel() * kv.element_size()
         self.waiting_kv_bytes += held
         span = tracing.start("kv_transfer", req.traceparent, {"pdserve.decode_pod": req.decode_pod_id,
                                                               "pdserve.pod": self.settings.pod_id})
         try:
-            client = await self.clients.get(req.decode_host, req.decode_kv_port)
-            kv_tokens = req.prompt_token_ids + req.output_token_ids  # a resumed request's output has KV too
-            with tracing.span("reserve", span):
-                reply = await self._reserve(client, req, Reserve(rid, kv_tokens, len(kv_tokens), block_hashes,
-                                                                 req.cache_salt), span)
-            if reply.duplicate:  # a worker that died before its XACK handed it over already: done
+            if not await self.handover.hand_over(req, first_token, out.metrics.get("first_token_time"), block_hashes,
+                                                 kv, span):  # a worker that died before its XACK handed it over already
                 logger.info("request %s is already on decode pod %s; acknowledging the redelivered entry",
                             rid, req.decode_pod_id)
-                self._forget(rid)
-                await self._ack(msg_id)
-                return
-            if not reply.ok:
-                raise KVTransferError(f"decode pod {req.decode_pod_id} refused the reservation: {reply.error}")
-            skip, sent_bytes = reply.num_cached_blocks, kv[reply.num_cached_blocks:].numel() * kv.element_size()
-            with tracing.span("blocks", span, {"pdserve.kv.bytes": sent_bytes, "pdserve.kv.blocks": kv.shape[0] - skip,
-                                               "pdserve.kv.blocks_skipped": skip}):
-                if skip < kv.shape[0]:
-                    await client.send_blocks(rid, skip, kv[skip:])
-            self.metrics.kv_transfer_blocks.inc(kv.shape[0] - skip)
-            self.metrics.kv_transfer_blocks_skipped.inc(skip)
-            self.metrics.kv_transfer_bytes.inc(sent_bytes)
-            with tracing.span("commit", span):
-                commit = await client.commit(Commit(
-                    rid, first_token, req.sampling_params, req.prompt_token_ids, req.arrival_time, req.deadline,
-                    out.metrics.get("first_token_time"), req.output_token_ids, req.output_text_len, req.router_id,
-                    traceparent=req.traceparent))
-            if not commit.ok:
-                raise KVTransferError(f"decode pod {req.decode_pod_id} refused the hand-over: {commit.error}")
-            self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
-            tracing.end(span, {"pdserve.kv.bytes": sent_bytes})
             self._forget(rid)
             await self._ack(msg_id)
             await self._mark(req, None)

@@ -89,7 +89,7 @@ class KVTransferClient:
         ``HandshakeError``, ``OSError``, or :class:`KVTransferError` (``timed_out``) when the peer does not
         accept or does not answer the handshake in time (a port that accepts and then never answers)."""
         try:
-            conn = await asyncio.wait_for(open_frame_connection(self.host, self.port), self.connect_timeout_s)
+            conn = await asyncio.wait_for(self._open(), self.connect_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             raise KVTransferError(f"{self.peer} did not accept a connection within {self.connect_timeout_s:g} s",
                                   timed_out=True) from None
@@ -108,6 +108,10 @@ class KVTransferClient:
         self._peer_max_payload = min(self.limits.max_payload_bytes, peer_max)
         self._reader, self._writer, self._closed_reason = reader, writer, None
         self._reader_task = asyncio.get_running_loop().create_task(self._read_replies())
+
+    async def _open(self) -> FrameConnection:
+        """The connection the frames travel on (a connector's client may open another kind)."""
+        return await open_frame_connection(self.host, self.port)
 
     async def close(self) -> None:
         self._fail_pending("connection closed by the client")

@@ -224,12 +224,50 @@ class AbortReply:
     error: str | None = None
 
 
+@dataclass(slots=True)
+class ShmProbe:
+    """``shm`` connector, once per connection after the handshake: the sender wrote ``token`` into the shared-memory
+    file ``segment``; the decode pod reads it back to prove both pods see the same ``/dev/shm`` (the same host)."""
+
+    TYPE: ClassVar[str] = "shm_probe"
+    segment: str
+    token: bytes
+
+
+@dataclass(slots=True)
+class ShmProbeReply:
+    TYPE: ClassVar[str] = "shm_probe_reply"
+    ok: bool
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class ShmBlocks:
+    """``shm`` connector: a :class:`Blocks` frame whose bytes lie in the shared-memory file ``segment`` (from byte
+    ``offset``, ``prod(shape) * itemsize`` bytes) instead of a payload. ``crc32c``: the CRC-32C (Castagnoli, as iSCSI
+    and ext4 use) of those bytes, checked by the decode pod before it takes them (TCP checksums its segments; a
+    shared file has no such check). Answered by
+    :class:`BlocksReply`; the sender may reuse the segment once it has the reply."""
+
+    TYPE: ClassVar[str] = "shm_blocks"
+    request_id: str
+    first_block_index: int
+    dtype: str
+    shape: list[int]
+    segment: str
+    offset: int
+    crc32c: int
+
+    def nbytes(self) -> int:
+        return Blocks(self.request_id, self.first_block_index, self.dtype, self.shape).expected_payload_len()
+
+
 Frame = Union[Hello, Auth, AuthOk, Error, Reserve, ReserveReply, Blocks, BlocksReply, Commit,
-              CommitReply, Abort, AbortReply]
+              CommitReply, Abort, AbortReply, ShmProbe, ShmProbeReply, ShmBlocks]
 FRAME_TYPES: dict[str, type] = {
     cls.TYPE: cls
     for cls in (Hello, Auth, AuthOk, Error, Reserve, ReserveReply, Blocks, BlocksReply, Commit,
-                CommitReply, Abort, AbortReply)
+                CommitReply, Abort, AbortReply, ShmProbe, ShmProbeReply, ShmBlocks)
 }
 _HINTS = {cls: typing.get_type_hints(cls) for cls in FRAME_TYPES.values()}
 

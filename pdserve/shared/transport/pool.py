@@ -16,8 +16,10 @@ class KVClientPool:
     waited while another one's connect to the same pod failed gets that failure at once (``KVTransferError``,
     ``timed_out``) instead of waiting out a second connect timeout."""
 
-    def __init__(self, layout: KVLayout, secret: str | bytes, **client_kwargs: object) -> None:
+    def __init__(self, layout: KVLayout, secret: str | bytes, *,
+                 client_class: type[KVTransferClient] = KVTransferClient, **client_kwargs: object) -> None:
         self.layout = layout
+        self.client_class = client_class  # a KV connector's sender (pdserve/shared/transport/connector.py)
         self._secret = secret
         self._client_kwargs = client_kwargs
         self._clients: dict[tuple[str, int], KVTransferClient] = {}
@@ -42,7 +44,7 @@ class KVClientPool:
                 return client
             if client is not None:
                 await self._retire(key)
-            client = KVTransferClient(host, port, self.layout, self._secret, **self._client_kwargs)  # type: ignore[arg-type]
+            client = self.client_class(host, port, self.layout, self._secret, **self._client_kwargs)  # type: ignore[arg-type]
             try:
                 await client.connect()
             except (KVTransferError, OSError) as exc:

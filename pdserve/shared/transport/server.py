@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from pdserve.shared.transport.frames import (
     Abort, AbortReply, Blocks, BlocksReply, Commit, CommitReply, Error, Frame, FrameError, FrameLimits, MalformedFrame,
-    Reserve, ReserveReply, read_frame, write_frame,
+    Reserve, ReserveReply, ShmBlocks, ShmProbe, ShmProbeReply, read_frame, write_frame,
 )
 from pdserve.shared.transport.handshake import HandshakeError, secret_bytes, server_handshake
 from pdserve.shared.transport.receiver import KVReceiver
@@ -65,6 +68,7 @@ class KVTransferServer:
         self._background: set[asyncio.Task] = set()  # reserves, blocks and commits in flight
         self._reserving: set[str] = set()  # request ids whose reserve is in flight
         self._stopping = False
+        self.connector_name = "tcp"  # the KV connector this server belongs to (connector.py sets it)
         # Counters the decode worker exports as metrics.
         self.bytes_received = 0
         self.blocks_received = 0
@@ -80,10 +84,13 @@ class KVTransferServer:
     async def start(self) -> None:
         """Binds and listens; ``port=0`` picks a free port (read it from ``.port`` afterwards)."""
         self._stopping = False
-        self._server = await start_frame_server(self._on_connection, self.host, self.port)
+        self._server = await self._listen(self._on_connection)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("KV-transfer server listening on %s:%d (layout %s)", self.host, self.port,
                  self.receiver.layout)
+
+    async def _listen(self, on_connect: Callable[[FrameConnection], Awaitable[None]]) -> asyncio.base_events.Server:
+        return await start_frame_server(on_connect, self.host, self.port)
 
     async def stop(self) -> None:
         """Stops accepting, closes every connection and releases every open lease."""
@@ -171,7 +178,7 @@ class KVTransferServer:
             if got is None:
                 return
             frame, frame_id = got
-            if isinstance(frame, (Reserve, Blocks, Commit)):
+            if isinstance(frame, (Reserve, Blocks, ShmBlocks, Commit)):
                 # Each waits for the receiver's engine (up to a step): the frames of other requests on this
                 # connection need not wait behind it, so many requests' reserves, blocks and commits reach the engine
                 # together between two steps instead of one per step (a burst of 32 hand-overs took ~3 decode steps
@@ -185,7 +192,7 @@ class KVTransferServer:
             reply = await self._dispatch(conn, frame)
             await write_frame(conn.writer, reply, frame_id)
 
-    async def _reply_later(self, conn: _Conn, frame: Reserve | Blocks | Commit, frame_id: int) -> None:
+    async def _reply_later(self, conn: _Conn, frame: Reserve | Blocks | ShmBlocks | Commit, frame_id: int) -> None:
         try:
             reply = await (self._commit(conn, frame) if isinstance(frame, Commit) else self._dispatch(conn, frame))
         except Exception:  # a bug must cost this connection (its peer sees it drop, its leases are released), not hang it
@@ -201,10 +208,12 @@ class KVTransferServer:
     async def _dispatch(self, conn: _Conn, frame: Frame) -> Frame:
         if isinstance(frame, Reserve):
             return await self._reserve(conn, frame)
-        if isinstance(frame, Blocks):
+        if isinstance(frame, (Blocks, ShmBlocks)):
             return await self._blocks(conn, frame)
         if isinstance(frame, Abort):
             return await self._abort(conn, frame)
+        if isinstance(frame, ShmProbe):
+            return self.shm_probe(frame)
         raise MalformedFrame(f"unexpected {frame.TYPE} frame after the handshake")
 
     # ---------------------------------------------------------------------------------------
@@ -236,7 +245,17 @@ class KVTransferServer:
         reply.lease_id, reply.lease_ttl_s = lease.lease_id, self.lease_ttl_s
         return reply
 
-    async def _blocks(self, conn: _Conn, msg: Blocks) -> BlocksReply:
+    def shm_probe(self, msg: ShmProbe) -> ShmProbeReply:
+        """A ``shm`` sender's same-host check; this server (``tcp``, ``loopback``) takes no shared memory."""
+        return ShmProbeReply(ok=False, error=f"this decode pod's kv_connector is {self.connector_name!r}, not 'shm'")
+
+    def blocks_tensor(self, msg: Blocks | ShmBlocks) -> torch.Tensor:
+        """The frame's blocks as a tensor: ``Blocks`` carries them; ``ShmBlocks`` only with the ``shm`` connector."""
+        if isinstance(msg, ShmBlocks):
+            raise ValueError(f"this decode pod's kv_connector is {self.connector_name!r}: it takes no shared memory")
+        return msg.to_tensor()
+
+    async def _blocks(self, conn: _Conn, msg: Blocks | ShmBlocks) -> BlocksReply:
         lease = conn.leases.get(msg.request_id)
         if lease is None:
             return BlocksReply(ok=False, error=self._no_lease(msg.request_id))
@@ -251,12 +270,13 @@ class KVTransferServer:
                     f"(dtype {layout.dtype}, [n, {', '.join(map(str, layout.block_shape))}])"))
             self._arm(lease)
             try:
-                await self.receiver.receive_blocks(msg.request_id, msg.first_block_index, msg.to_tensor())
+                blocks = self.blocks_tensor(msg)
+                await self.receiver.receive_blocks(msg.request_id, msg.first_block_index, blocks)
             except Exception as e:
                 log.warning("receiver.receive_blocks(%s) failed: %s", msg.request_id, e)
                 await self._end(lease, release=True)
                 return BlocksReply(ok=False, error=f"receive_blocks failed: {type(e).__name__}: {e}")
-            self.bytes_received += len(msg.payload)
+            self.bytes_received += blocks.numel() * blocks.element_size()
             self.blocks_received += msg.shape[0]
         return BlocksReply(ok=True)
 

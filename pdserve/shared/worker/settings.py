@@ -7,7 +7,7 @@ import socket
 import uuid
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.settings import ServiceSettings
@@ -36,6 +36,20 @@ class WorkerSettings(ServiceSettings):
     registry_token: SecretStr | None = Field(None, description=(
         "The registry's bearer token (prefer the variable: a flag shows in ps)."))
     kv_transfer_secret: str = Field("pdserve-dev-secret", description="Shared KV-transfer secret.")
+    # vLLM's kv_transfer_config as JSON text: the KV connector both sides of the hand-over use (prefill and decode
+    # pods must agree; docs/ensemble.md "KV connectors"). None: tcp.
+    kv_transfer_config: str | None = Field(None, description=(
+        'KV connector for the P/D hand-over, vLLM\'s JSON: \'{"kv_connector": "shm"}\' (tcp, shm, loopback; '
+        'default tcp).'))
+
+    @field_validator("kv_transfer_config")
+    @classmethod
+    def _known_kv_connector(cls, value: str | None) -> str | None:
+        from pdserve.shared.transport.connector import KVTransferConfig  # torch: only when one is set
+
+        if value is not None:
+            KVTransferConfig.parse(value)  # a ValueError naming the registered connectors
+        return value
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between heartbeats to the registry.")
     # An engine whose loop finishes no step (nor idle wait) for this long counts as stuck: heartbeats stop (the pod
     # leaves the registry), /health answers 503, a prefill pod stops holding its queue entries. Far above any one
