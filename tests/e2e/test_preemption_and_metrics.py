@@ -211,6 +211,7 @@ def _query(url: str, expr: str) -> list:
     return body["data"]["result"]
 
 
+@pytest.mark.slow
 def test_a_real_prometheus_evaluates_every_dashboard_query_and_rule(ensemble, prompt_of, tmp_path):
     import time
 

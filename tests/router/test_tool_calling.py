@@ -185,39 +185,35 @@ def test_unknown_previous_response_id_gets_404(client):
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_and_named_choices_ask_for_guided_decoding(tool_router, worker, tool_choice):
-    """Their schema goes to the engine as ``structured_outputs={"json": schema}``; an engine without guided
-    decoding cannot enforce it, so the request is refused rather than answered unguided."""
-    from pdserve.shared.protocol.sampling_params import SamplingParams
-
+    """Their schema goes to the engine as ``structured_outputs={"json": schema}`` (on the wire: the schema's compact
+    JSON text, SamplingParams' normal form), so the arguments always parse."""
     r = httpx.post(tool_router.url + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": tool_choice, "max_tokens": 5})
-    if "structured_outputs" in SamplingParams.__dataclass_fields__:
-        assert r.status_code == 200, r.text
-        want = WEATHER["function"]["parameters"] if isinstance(tool_choice, dict) else None
-        got = worker.received[0].request.sampling_params.structured_outputs["json"]
-        assert got == want or (want is None and got["type"] == "array")
-    else:
-        assert r.status_code == 400
-        assert r.json()["error"] == {"message": "tool_choice needs guided decoding (structured outputs), which this "
-                                                "server does not support", "type": "BadRequestError",
-                                     "param": "tool_choice", "code": 400}
+    assert r.status_code == 200, r.text
+    want = WEATHER["function"]["parameters"] if isinstance(tool_choice, dict) else None
+    got = json.loads(worker.received[0].request.sampling_params.structured_outputs["json"])
+    assert got == want or (want is None and got["type"] == "array")
+
+
+def test_a_forced_tool_call_and_response_format_together_get_400_naming_tool_choice(tool_router):
+    """One grammar per request: the forced call's schema must not silently replace the client's own format."""
+    r = httpx.post(tool_router.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 5,
+        "response_format": {"type": "json_object"}})
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "tool_choice cannot be combined with response_format or "
+                                            "structured_outputs", "type": "BadRequestError",
+                                 "param": "tool_choice", "code": 400}
 
 
 def test_responses_text_format_json_schema_asks_for_guided_decoding(tool_router, worker):
-    from pdserve.shared.protocol.sampling_params import SamplingParams
-
     schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
     r = httpx.post(tool_router.url + "/v1/responses", timeout=30, json={
         "model": MODEL, "input": "What is the capital of France?", "max_output_tokens": 5,
         "text": {"format": {"type": "json_schema", "name": "capital", "schema": schema}}})
-    if "structured_outputs" in SamplingParams.__dataclass_fields__:
-        assert r.status_code == 200, r.text
-        assert worker.received[0].request.sampling_params.structured_outputs == {"json": schema}
-    else:
-        assert r.status_code == 400
-        assert r.json()["error"] == {"message": "text.format needs guided decoding (structured outputs), which this "
-                                                "server does not support", "type": "BadRequestError",
-                                     "param": "text.format", "code": 400}
+    assert r.status_code == 200, r.text
+    got = worker.received[0].request.sampling_params.structured_outputs
+    assert list(got) == ["json"] and json.loads(got["json"]) == schema
 
 
 def test_responses_refuses_what_it_does_not_serve_naming_the_field(tool_router):
