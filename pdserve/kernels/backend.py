@@ -93,11 +93,10 @@ class CpuAttentionBackend:
             self._ref.reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, md, scale, sliding_window=None) -> torch.Tensor:
-        # the C kernel attends fully: a windowed layer takes the reference, which masks
-        if sliding_window is not None or not self._kernel.supports(query.dtype, k_cache.shape[1]):
+        if not self._kernel.supports(query.dtype, k_cache.shape[1]):
             return self._ref.paged_attention_ref(query, k_cache, v_cache, md, scale, sliding_window)
         return self._kernel.paged_attention_cpu(query, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                                md.query_start_loc, scale)
+                                                md.query_start_loc, scale, sliding_window=sliding_window)
 
     def __repr__(self) -> str:
         return "CpuAttentionBackend()"
@@ -123,10 +122,6 @@ class TritonAttentionBackend:
         self._cache_write(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, md, scale, sliding_window=None) -> torch.Tensor:
-        if sliding_window is not None:  # the kernels attend fully: a windowed layer takes the reference, which masks
-            from pdserve.kernels.attention_ref import paged_attention_ref
-
-            return paged_attention_ref(query, k_cache, v_cache, md, scale, sliding_window)
         split = md.cache.get("triton_batch_split")
         if split is None:
             decodes = [s for s, q in enumerate(md.query_lens_cpu) if q == 1]
@@ -135,10 +130,11 @@ class TritonAttentionBackend:
         decodes, prefills = split
         if not prefills:
             all_decode = len(decodes) == md.num_seqs
-            return self._decode(query, k_cache, v_cache, md, scale, seq_ids=None if all_decode else decodes)
-        out = self._prefill(query, k_cache, v_cache, md, scale, seq_ids=prefills)
+            return self._decode(query, k_cache, v_cache, md, scale, seq_ids=None if all_decode else decodes,
+                                sliding_window=sliding_window)
+        out = self._prefill(query, k_cache, v_cache, md, scale, seq_ids=prefills, sliding_window=sliding_window)
         if decodes:
-            self._decode(query, k_cache, v_cache, md, scale, out=out, seq_ids=decodes)
+            self._decode(query, k_cache, v_cache, md, scale, out=out, seq_ids=decodes, sliding_window=sliding_window)
         return out
 
     def __repr__(self) -> str:

@@ -42,7 +42,7 @@ def load() -> ctypes.CDLL | None:
         return None
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [
-        ctypes.c_float, ctypes.c_int]
+        ctypes.c_float, ctypes.c_int, ctypes.c_int64]
     lib.set_decode_path.argtypes = [ctypes.c_int]
     lib.reshape_and_cache.restype = ctypes.c_int
     lib.reshape_and_cache.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -61,8 +61,10 @@ def supports(dtype: torch.dtype, block_size: int) -> bool:
 
 def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over the paged K/V.
+                        out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of ``query`` [num_tokens, num_heads, head_dim] over the paged K/V; with
+    ``sliding_window`` ``W`` a query at position ``q`` sees keys ``q - W < k <= q`` only (as
+    ``attention_ref.paged_attention_ref``), and blocks wholly before every row's window are never read.
 
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], query's dtype (float32 or bfloat16),
     contiguous; block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32 (context including this
@@ -88,7 +90,8 @@ def paged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out = torch.empty(query.shape, dtype=query.dtype)
     rc = lib.paged_attention(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                              tables.data_ptr(), lens.data_ptr(), qsl.data_ptr(), len(lens), tables.shape[1],
-                             num_heads, num_kv_heads, head_dim, block_size, float(scale), _DTYPES[query.dtype])
+                             num_heads, num_kv_heads, head_dim, block_size, float(scale), _DTYPES[query.dtype],
+                             int(sliding_window or 0))
     if rc != 0:
         raise RuntimeError(f"paged_attention_cpu failed (block_size {block_size} > 32, or out of memory)")
     return out

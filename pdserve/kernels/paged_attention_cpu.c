@@ -8,7 +8,9 @@
  * contiguous: a view into the fused QKV projection needs no copy); k_cache, v_cache
  * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
  * seq_lens [num_seqs] int32 (context after this step); query_start_loc [num_seqs + 1] int32.
- * Query row i of sequence s sits at position seq_len - query_len + i and attends keys 0..position.
+ * Query row i of sequence s sits at position seq_len - query_len + i and attends keys 0..position; with a sliding
+ * window W > 0 only keys position - W + 1..position (transformers' sliding_window_overlay: q - W < k <= q). Blocks
+ * wholly before a task's window are not read (their block-table entries may point anywhere).
  *
  * Algorithm: one task per (sequence, kv head, chunk of query rows); per KV block, the block's keys and
  * values are converted to fp32 once and used by every query head of the group and every row of the chunk,
@@ -82,11 +84,25 @@ static void task_end(void *out, int64_t first_row, int64_t n, int g, int kvh, in
         }
 }
 
+/* The first block a row at position `pos` (or a chunk whose first row sits there) reads: 0 without a window
+ * (window <= 0), else the block holding key pos - window + 1. */
+static inline int64_t first_block(int64_t pos, int64_t window, int bs) {
+    const int64_t lo = window > 0 ? pos - window + 1 : 0;
+    return lo > 0 ? lo / bs : 0;
+}
+
+/* The first key, relative to a block starting at position `first`, that the row at `pos` sees: 0 without a
+ * window; may be past the block's last key (the row sees none of it). */
+static inline int window_start(int64_t pos, int64_t window, int64_t first) {
+    const int64_t lo = window > 0 ? pos - window + 1 - first : 0;
+    return lo > 0 ? (lo < MAX_BS + 1 ? (int)lo : MAX_BS + 1) : 0;
+}
+
 /* One task: rows [r0, r1) of sequence s (row indices relative to the sequence's first query row), kv head
  * kvh, every query head of its group. Scratch: q [n*G*D], acc [n*G*D], m/l [n*G], kb/vb [MAX_BS*D]. */
 static void attend_task(const void *q, int64_t q_stride, const void *kc, const void *vc, void *out,
                         const int32_t *table, int64_t ctx, int64_t qlen, int64_t row0, int64_t r0, int64_t r1, int kvh, int num_heads,
-                        int num_kv_heads, int d, int bs, float scale, int dtype, float *scratch) {
+                        int num_kv_heads, int d, int bs, float scale, int dtype, int64_t window, float *scratch) {
     const int g = num_heads / num_kv_heads;
     const int64_t n = r1 - r0, nq = n * g;
     float *qf = scratch, *acc = qf + nq * d, *m = acc + nq * d, *l = m + nq, *kb = l + nq, *vb = kb + (int64_t)MAX_BS * d;
@@ -94,7 +110,7 @@ static void attend_task(const void *q, int64_t q_stride, const void *kc, const v
     const int64_t last_pos = ctx - qlen + r1 - 1;  /* the chunk's last row sees keys 0..last_pos */
     const int64_t nblocks = last_pos / bs + 1;
     const int64_t stride_tok = (int64_t)num_kv_heads * d;
-    for (int64_t b = 0; b < nblocks; b++) {
+    for (int64_t b = first_block(ctx - qlen + r0, window, bs); b < nblocks; b++) {
         const int64_t base = (int64_t)table[b] * bs * stride_tok + (int64_t)kvh * d;
         const int64_t first = b * bs;
         const int nk = (int)((last_pos - first + 1) < bs ? (last_pos - first + 1) : bs);
@@ -107,6 +123,8 @@ static void attend_task(const void *q, int64_t q_stride, const void *kc, const v
             const int64_t pos = ctx - qlen + r0 + r;
             if (pos < first) continue;
             const int valid = (int)((pos - first + 1) < nk ? (pos - first + 1) : nk);
+            const int lo = window_start(pos, window, first);  /* keys before lo are outside the row's window */
+            if (lo >= valid) continue;
             for (int j = 0; j < g; j++) {
                 const int64_t qi = r * g + j;
                 const float *qv = qf + qi * d;
@@ -120,16 +138,16 @@ static void attend_task(const void *q, int64_t q_stride, const void *kc, const v
                     for (int t = 0; t < nk; t++) p[t] += qs * krow[t];
                 }
                 float mx = m[qi];
-                for (int t = 0; t < valid; t++) mx = p[t] > mx ? p[t] : mx;
+                for (int t = lo; t < valid; t++) mx = p[t] > mx ? p[t] : mx;
                 const float corr = expf(m[qi] - mx);  /* exp(-inf) = 0 on the first block */
                 float sum = 0.0f;
-                for (int t = 0; t < valid; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+                for (int t = lo; t < valid; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
                 l[qi] = l[qi] * corr + sum;
                 m[qi] = mx;
                 float *a = acc + qi * d;
 #pragma omp simd
                 for (int i = 0; i < d; i++) a[i] *= corr;
-                for (int t = 0; t < valid; t++) {
+                for (int t = lo; t < valid; t++) {
                     const float *vv = vb + (int64_t)t * d;
                     const float w = p[t];
 #pragma omp simd
@@ -190,7 +208,7 @@ static inline __m256 exp8(__m256 x) {
 static void attend_task_avx2(const void *q, int64_t q_stride, const void *kc, const void *vc, void *out,
                              const int32_t *table, int64_t ctx, int64_t qlen, int64_t row0, int64_t r0, int64_t r1,
                              int kvh, int num_heads, int num_kv_heads, int d, int bs, float scale, int dtype,
-                             float *scratch) {
+                             int64_t window, float *scratch) {
     const int g = num_heads / num_kv_heads;
     const int64_t n = r1 - r0, nq = n * g;
     float *qf = scratch, *acc = qf + nq * d, *m = acc + nq * d, *l = m + nq, *kb = l + nq, *vb = kb + (int64_t)MAX_BS * d;
@@ -198,7 +216,7 @@ static void attend_task_avx2(const void *q, int64_t q_stride, const void *kc, co
     const int64_t last_pos = ctx - qlen + r1 - 1;
     const int64_t nblocks = last_pos / bs + 1;
     const int64_t stride_tok = (int64_t)num_kv_heads * d;
-    for (int64_t b = 0; b < nblocks; b++) {
+    for (int64_t b = first_block(ctx - qlen + r0, window, bs); b < nblocks; b++) {
         const int64_t base = (int64_t)table[b] * bs * stride_tok + (int64_t)kvh * d;
         const int64_t first = b * bs;
         const int nk = (int)((last_pos - first + 1) < bs ? (last_pos - first + 1) : bs);
@@ -213,6 +231,8 @@ static void attend_task_avx2(const void *q, int64_t q_stride, const void *kc, co
             const int64_t pos = ctx - qlen + r0 + r;
             if (pos < first) continue;
             const int valid = (int)((pos - first + 1) < nk ? (pos - first + 1) : nk);
+            const int lo = window_start(pos, window, first);  /* keys before lo are outside the row's window */
+            if (lo >= valid) continue;
             for (int j = 0; j < g; j++) {
                 const int64_t qi = r * g + j;
                 const float *qv = qf + qi * d;
@@ -228,20 +248,20 @@ static void attend_task_avx2(const void *q, int64_t q_stride, const void *kc, co
                     _mm256_storeu_ps(p + t0, hsum8x8(a));
                 }
                 float mx = m[qi];
-                for (int t = 0; t < valid; t++) mx = p[t] > mx ? p[t] : mx;
+                for (int t = lo; t < valid; t++) mx = p[t] > mx ? p[t] : mx;
                 const float corr = expf(m[qi] - mx);  /* exp(-inf) = 0 on the first block */
                 const __m256 mxv = _mm256_set1_ps(mx);
-                for (int t0 = 0; t0 < valid; t0 += 8)  /* lanes past valid are computed and never read */
+                for (int t0 = 0; t0 < valid; t0 += 8)  /* lanes past valid (or before lo) are computed, never read */
                     _mm256_storeu_ps(p + t0, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t0), mxv)));
                 float sum = 0.0f;
-                for (int t = 0; t < valid; t++) sum += p[t];
+                for (int t = lo; t < valid; t++) sum += p[t];
                 l[qi] = l[qi] * corr + sum;
                 m[qi] = mx;
                 float *av = acc + qi * d;
                 const __m256 cv = _mm256_set1_ps(corr);
                 for (int c = 0; c < d; c += 8) {
                     __m256 x = _mm256_mul_ps(_mm256_loadu_ps(av + c), cv);
-                    for (int t = 0; t < valid; t++)
+                    for (int t = lo; t < valid; t++)
                         x = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vb + (int64_t)t * d + c), x);
                     _mm256_storeu_ps(av + c, x);
                 }
@@ -264,12 +284,13 @@ static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
  * G heads: 4 keys x G heads of scores at a time, then G accumulators over the values. Scores are computed for keys
  * t0..t0+3 of a block (bs % 4 == 0); lanes past `valid` hold stale copy rows and are never used. */
 static inline void decode_heads(const void *kc, const void *vc, const int32_t *table, int64_t ctx, int kvh,
-                                int num_kv_heads, int d, int bs, int dtype, int j0, const int G, const float *qf,
-                                float *acc, float *m, float *l, float *kbuf, float *vbuf) {
+                                int num_kv_heads, int d, int bs, int dtype, int64_t window, int j0, const int G,
+                                const float *qf, float *acc, float *m, float *l, float *kbuf, float *vbuf) {
     const int64_t stride_tok = (int64_t)num_kv_heads * d, nblocks = (ctx - 1) / bs + 1;
-    for (int64_t b = 0; b < nblocks; b++) {
+    for (int64_t b = first_block(ctx - 1, window, bs); b < nblocks; b++) {
         const int64_t src = (int64_t)table[b] * bs * stride_tok + (int64_t)kvh * d, first = b * bs;
         const int valid = (int)((ctx - first) < bs ? (ctx - first) : bs);
+        const int lo = window_start(ctx - 1, window, first);  /* < valid: the first block holds the window's start */
         for (int t = 0; t < valid; t++)
             for (int c = 0; c < d; c += 8) {
                 _mm256_storeu_ps(kbuf + (int64_t)t * d + c, load8(kc, src + t * stride_tok + c, dtype));
@@ -294,13 +315,13 @@ static inline void decode_heads(const void *kc, const void *vc, const int32_t *t
         for (int j = 0; j < G; j++) {
             const int qi = j0 + j;
             float mx = m[qi];
-            for (int t = 0; t < valid; t++) mx = p[j][t] > mx ? p[j][t] : mx;
+            for (int t = lo; t < valid; t++) mx = p[j][t] > mx ? p[j][t] : mx;
             const float corr = expf(m[qi] - mx);
             const __m256 mxv = _mm256_set1_ps(mx);
             for (int t0 = 0; t0 < valid; t0 += 8)  /* p has MAX_BS lanes: a last group past valid is never read */
                 _mm256_storeu_ps(p[j] + t0, exp8(_mm256_sub_ps(_mm256_loadu_ps(p[j] + t0), mxv)));
             float sum = 0.0f;
-            for (int t = 0; t < valid; t++) sum += p[j][t];
+            for (int t = lo; t < valid; t++) sum += p[j][t];
             l[qi] = l[qi] * corr + sum;
             m[qi] = mx;
             cv[j] = _mm256_set1_ps(corr);
@@ -308,7 +329,7 @@ static inline void decode_heads(const void *kc, const void *vc, const int32_t *t
         for (int c = 0; c < d; c += 8) {
             __m256 x[3];
             for (int j = 0; j < G; j++) x[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + (int64_t)(j0 + j) * d + c), cv[j]);
-            for (int t = 0; t < valid; t++) {
+            for (int t = lo; t < valid; t++) {
                 const __m256 v = _mm256_loadu_ps(vbuf + (int64_t)t * d + c);
                 for (int j = 0; j < G; j++) x[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j][t]), v, x[j]);
             }
@@ -324,16 +345,16 @@ static inline void decode_heads(const void *kc, const void *vc, const int32_t *t
  * multiples of ROWS_PER_TASK), so it sees ctx keys. */
 static void attend_decode_avx2(const void *q, int64_t q_stride, const void *kc, const void *vc, void *out,
                                const int32_t *table, int64_t ctx /* keys the row sees */, int64_t row, int kvh, int num_heads,
-                               int num_kv_heads, int d, int bs, float scale, int dtype, float *scratch) {
+                               int num_kv_heads, int d, int bs, float scale, int dtype, int64_t window, float *scratch) {
     const int g = num_heads / num_kv_heads;
     float *qf = scratch, *acc = qf + (int64_t)g * d, *m = acc + (int64_t)g * d, *l = m + g, *kbuf = l + g;
     float *vbuf = kbuf + (int64_t)MAX_BS * d;
     task_begin(q, q_stride, row, 1, g, kvh, d, dtype, scale, qf, acc, m, l);
     for (int j0 = 0; j0 < g; j0 += 3) {
         const int G = g - j0 < 3 ? g - j0 : 3;
-        if (G == 3) decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, j0, 3, qf, acc, m, l, kbuf, vbuf);
-        else if (G == 2) decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, j0, 2, qf, acc, m, l, kbuf, vbuf);
-        else decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, j0, 1, qf, acc, m, l, kbuf, vbuf);
+        if (G == 3) decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, window, j0, 3, qf, acc, m, l, kbuf, vbuf);
+        else if (G == 2) decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, window, j0, 2, qf, acc, m, l, kbuf, vbuf);
+        else decode_heads(kc, vc, table, ctx, kvh, num_kv_heads, d, bs, dtype, window, j0, 1, qf, acc, m, l, kbuf, vbuf);
     }
     task_end(out, row, 1, g, kvh, num_heads, d, dtype, acc, l);
 }
@@ -343,10 +364,11 @@ static void attend_decode_avx2(const void *q, int64_t q_stride, const void *kc, 
 static int decode_path = 1;
 void set_decode_path(int on) { decode_path = on; }
 
-/* Returns 0, or -1 when block_size > MAX_BS or a scratch allocation failed. */
+/* Returns 0, or -1 when block_size > MAX_BS or a scratch allocation failed. window: 0 for full attention. */
 int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, void *out, const int32_t *block_tables,
                     const int32_t *seq_lens, const int32_t *query_start_loc, int num_seqs, int max_blocks,
-                    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int dtype) {
+                    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int dtype,
+                    int64_t window) {
     if (block_size > MAX_BS) return -1;
     /* tasks: (sequence, row chunk) x kv heads, listed up front so OpenMP can balance them */
     int64_t ntasks = 0;
@@ -384,19 +406,19 @@ int paged_attention(const void *q, int64_t q_stride, const void *k_cache, const 
                 if (head_dim % 8 == 0 && r1 - r0 == 1 && block_size % 4 == 0 && decode_path) {
                     attend_decode_avx2(q, q_stride, k_cache, v_cache, out, block_tables + (int64_t)s * max_blocks,
                                        seq_lens[s] - qlen + r0 + 1, query_start_loc[s] + r0, h, num_heads, num_kv_heads, head_dim,
-                                       block_size, scale, dtype, scratch);
+                                       block_size, scale, dtype, window, scratch);
                     continue;
                 }
                 if (head_dim % 8 == 0) {
                     attend_task_avx2(q, q_stride, k_cache, v_cache, out, block_tables + (int64_t)s * max_blocks,
                                      seq_lens[s], qlen, query_start_loc[s], r0, r1, h, num_heads, num_kv_heads,
-                                     head_dim, block_size, scale, dtype, scratch);
+                                     head_dim, block_size, scale, dtype, window, scratch);
                     continue;
                 }
 #endif
                 attend_task(q, q_stride, k_cache, v_cache, out, block_tables + (int64_t)s * max_blocks, seq_lens[s], qlen,
                             query_start_loc[s], r0, r1, h, num_heads, num_kv_heads, head_dim, block_size, scale,
-                            dtype, scratch);
+                            dtype, window, scratch);
             }
         free(scratch);
     }

@@ -72,6 +72,7 @@ def _decode_partition_kernel(
     query_start_loc_ptr,
     seq_ids_ptr,
     scale_log2,
+    window,
     num_heads,
     stride_qt,
     stride_qh,
@@ -93,6 +94,7 @@ def _decode_partition_kernel(
     NUM_SPLITS: tl.constexpr,
     HAS_SEQ_IDS: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -103,9 +105,14 @@ def _decode_partition_kernel(
         seq = i
     seq_len = tl.load(seq_lens_ptr + seq)
     q_row = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    # Even split per sequence, rounded to whole tiles: every split but the last is full.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    # The keys the query sees: all, or with a sliding window the last `window` (q - W < k <= q); blocks before
+    # them are never read. Even split of that range, rounded to whole tiles: every split but the last is full.
+    if HAS_WINDOW:
+        first_key = tl.maximum(seq_len - window, 0)
+    else:
+        first_key = 0
+    per_split = tl.cdiv(tl.cdiv(seq_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first_key + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -249,8 +256,10 @@ def paged_attention_decode(
     seq_ids: list[int] | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each decode sequence's single query token over its paged K/V.
+    """Attention of each decode sequence's single query token over its paged K/V (with ``sliding_window``
+    ``W``: over its last ``W`` keys only, as ``attention_ref.paged_attention_ref``).
 
     query:   [num_tokens, num_heads, head_dim], cache dtype; head_dim contiguous.
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (fp32, fp16 or bf16).
@@ -290,7 +299,7 @@ def paged_attention_decode(
         return out
     check_device(_decode_partition_kernel, query, k_cache, md.block_tables)
     if num_splits is None:
-        num_splits = choose_num_splits(max_len, n, num_kv_heads, query.device)
+        num_splits = choose_num_splits(min(max_len, sliding_window or max_len), n, num_kv_heads, query.device)
     num_splits = 1 << (max(1, num_splits) - 1).bit_length()
     queries_per_kv = num_heads // num_kv_heads
     config = config or default_decode_config(k_cache.dtype)
@@ -312,6 +321,7 @@ def paged_attention_decode(
         md.query_start_loc,
         seq_arg,
         scale * LOG2E,
+        int(sliding_window or 0),
         num_heads,
         query.stride(0),
         query.stride(1),
@@ -333,6 +343,7 @@ def paged_attention_decode(
         NUM_SPLITS=num_splits,
         HAS_SEQ_IDS=seq_ids_t is not None,
         FP32_DOT=dot_in_fp32(k_cache.dtype, is_interpreted(_decode_partition_kernel)),
+        HAS_WINDOW=sliding_window is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

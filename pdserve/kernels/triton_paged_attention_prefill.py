@@ -67,6 +67,7 @@ def _prefill_kernel(
     tile_seq_ptr,
     tile_q0_ptr,
     scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -87,6 +88,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -122,7 +124,13 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # causal: the tile's last query token sees keys up to its own position
     kv_end = ctx + tl.minimum(q0 + BLOCK_Q, q_len)
-    for n0 in range(0, kv_end, BLOCK_N):
+    # a sliding window (q - W < k <= q): the tile's first query token sees keys from ctx + q0 - W + 1 on, later
+    # tokens from later still; blocks before that are never read
+    if HAS_WINDOW:
+        kv_start = tl.maximum(ctx + q0 - window + 1, 0)
+    else:
+        kv_start = 0
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < kv_end
         blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -143,12 +151,20 @@ def _prefill_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        # key 0 is visible to every row, so each row's max is finite after the first tile
+        # key 0 is visible to every row, so each row's max is finite after the first tile -- unless a window
+        # hides a whole tile from a row: its max stays -inf, and the exponentials are taken against 0 instead
+        # (giving 0, not the NaN of -inf - -inf)
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if HAS_WINDOW:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -156,6 +172,8 @@ def _prefill_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    if HAS_WINDOW:  # a padding row past the chunk may see no key in its window (l = 0; it is not stored)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -188,8 +206,10 @@ def paged_attention_prefill(
     out: torch.Tensor | None = None,
     seq_ids: list[int] | None = None,
     config: PrefillConfig | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's query chunk over its paged K/V (cached prefix included).
+    """Causal attention of each sequence's query chunk over its paged K/V (cached prefix included); with
+    ``sliding_window`` ``W`` a query at position ``q`` sees keys ``q - W < k <= q`` only.
 
     query:   [num_tokens, num_heads, head_dim], cache dtype; head_dim contiguous.
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (fp32, fp16 or bf16), the
@@ -235,6 +255,7 @@ def paged_attention_prefill(
         tile_seq,
         tile_q0,
         scale * LOG2E,
+        int(sliding_window or 0),
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -255,6 +276,7 @@ def paged_attention_prefill(
         BLOCK_N=config.block_n,
         BLOCK_SIZE=block_size,
         FP32_DOT=dot_in_fp32(k_cache.dtype, is_interpreted(_prefill_kernel)),
+        HAS_WINDOW=sliding_window is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -7,7 +7,7 @@ import torch
 
 from pdserve.kernels import cpu_attention
 from pdserve.kernels.attention_ref import paged_attention_ref, reshape_and_cache_ref
-from tests.kernels.triton_cases import REL_TOL, make_step, rel_err
+from tests.kernels.triton_cases import REL_TOL, drop_blocks_outside_window, make_step, rel_err
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compiler to build the CPU kernel")
 
@@ -99,3 +99,41 @@ def test_cache_write_equals_the_reference_bit_for_bit_and_skips_padding(dtype):
     # a layout it does not take (K not a row view of heads) is left to the reference: nothing written, False
     assert not cpu_attention.reshape_and_cache_cpu(k.transpose(1, 2).contiguous().transpose(1, 2), v, caches[2],
                                                    caches[3], slots)
+
+
+WINDOW_STEPS = {
+    "mixed": [(5, 1), (0, 17), (19, 20), (32, 1), (0, 1), (16, 16), (70, 40)],
+    "decodes": [(5, 1), (15, 1), (48, 1), (300, 1)],
+    "long_prefill": [(7, 70)],
+    "verify_k_plus_1": [(40, 5), (3, 4), (77, 1)],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(WINDOW_STEPS))
+@pytest.mark.parametrize("window", [1, 5, 16, 33])
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size,head_dim", [(9, 3, 16, 64), (4, 4, 32, 64), (8, 1, 16, 64),
+                                                                         (4, 2, 8, 64), (4, 2, 16, 20)])
+def test_sliding_window_matches_the_reference_and_reads_no_block_before_it(name, window, dtype, num_heads,
+                                                                           num_kv_heads, block_size, head_dim):
+    """A windowed layer (Mistral, Qwen2/3's sliding layers) in the C kernel: equal to the masked reference
+    (transformers' ``q - W < k <= q``), with blocks wholly before every row's window pointing at NaN (freed), through
+    the general task and the one-row decode path alike (head_dim 20: the scalar task)."""
+    step = make_step(WINDOW_STEPS[name], num_heads, num_kv_heads, head_dim, block_size, dtype)
+    reshape_and_cache_ref(step.key, step.value, step.k_cache, step.v_cache, step.md.slot_mapping)
+    ref = paged_attention_ref(step.query, step.k_cache, step.v_cache, step.fresh_md(), 0.125, window)
+    dropped = drop_blocks_outside_window(step, window)
+    assert dropped or name not in ("mixed", "decodes") or window > block_size  # these steps drop blocks
+    md, lib = step.md, cpu_attention.load()
+    outs = []
+    for on in (0, 1):
+        lib.set_decode_path(on)
+        try:
+            outs.append(cpu_attention.paged_attention_cpu(step.query, step.k_cache, step.v_cache, md.block_tables,
+                                                          md.seq_lens, md.query_start_loc, 0.125,
+                                                          sliding_window=window))
+        finally:
+            lib.set_decode_path(1)
+    assert torch.isfinite(outs[1]).all()
+    assert rel_err(outs[1], ref) < REL_TOL[dtype]
+    assert torch.equal(outs[0], outs[1])

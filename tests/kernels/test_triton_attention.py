@@ -19,7 +19,7 @@ from pdserve.kernels.attention_ref import paged_attention_ref, reshape_and_cache
 from pdserve.kernels.triton_paged_attention_decode import choose_num_splits, paged_attention_decode
 from pdserve.kernels.triton_paged_attention_prefill import paged_attention_prefill
 from pdserve.kernels.triton_reshape_and_cache import reshape_and_cache
-from triton_cases import REL_TOL, make_step, rel_err
+from triton_cases import REL_TOL, drop_blocks_outside_window, make_step, rel_err
 
 pytestmark = pytest.mark.slow
 
@@ -158,3 +158,33 @@ def test_prefill_accepts_a_strided_query_view():
     step.query = fused[:, : 6 * 64].view(n, 6, 64)
     out = paged_attention_prefill(step.query, step.k_cache, step.v_cache, step.md, 0.125)
     assert_matches_ref(out, step, torch.float32)
+
+
+# ---------------------------------------------------------------- sliding window (Mistral, Qwen2/3 sliding layers)
+
+
+def assert_matches_windowed_ref(step, dtype, window, run):
+    """``run(step)`` (a kernel call with ``sliding_window=window``) equals the masked reference, with every block
+    wholly before its sequence's windows pointing at a NaN block (what freeing them leaves)."""
+    ref = paged_attention_ref(step.query, step.k_cache, step.v_cache, step.fresh_md(), step.query.shape[-1] ** -0.5,
+                              window)
+    assert drop_blocks_outside_window(step, window) > 0
+    out = run(step)
+    assert torch.isfinite(out).all(), "a read before the window (a NaN block) or an unwritten row"
+    err = rel_err(out, ref)
+    assert err < REL_TOL[dtype], f"relative error {err:.2e} >= {REL_TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("window,splits", [(20, 1), (20, 4), (64, 2)])
+def test_decode_with_a_sliding_window(window, splits):
+    step = written_step([(n - 1, 1) for n in (1, 15, 33, 100, 260)], 4, 2, 64, 16, torch.float32, seed=11)
+    assert_matches_windowed_ref(step, torch.float32, window, lambda s: paged_attention_decode(
+        s.query, s.k_cache, s.v_cache, s.md, 0.125, num_splits=splits, sliding_window=window))
+
+
+@pytest.mark.parametrize("window,dtype", [(7, torch.float32), (40, torch.bfloat16)])
+def test_prefill_with_a_sliding_window(window, dtype):
+    """Tiles whose first rows see keys that later rows' windows exclude, and tiles wholly hidden from some rows."""
+    step = written_step([(0, 37), (21, 30), (70, 40), (9, 1)], 6, 2, 64, 16, dtype, seed=12)
+    assert_matches_windowed_ref(step, dtype, window, lambda s: paged_attention_prefill(
+        s.query, s.k_cache, s.v_cache, s.md, 0.125, sliding_window=window))

@@ -51,7 +51,8 @@ for dtype in (torch.bfloat16, torch.float32):
         c = dec.default_decode_config(dtype)
         out.append(build(dec._decode_partition_kernel, {**io, **i32, **f32}, dict(
             QUERIES_PER_KV=g, BLOCK_H=max(16, triton.next_power_of_2(g)), HEAD_DIM=head_dim, BLOCK_D=bd,
-            BLOCK_N=c.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=4, HAS_SEQ_IDS=True, FP32_DOT=dtype == torch.float32),
+            BLOCK_N=c.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=4, HAS_SEQ_IDS=True, FP32_DOT=dtype == torch.float32,
+            HAS_WINDOW=dtype == torch.bfloat16),
             c.num_warps, c.num_stages))
         out.append(build(dec._decode_reduce_kernel, {**io, **i32, **f32}, dict(
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=4, BLOCK_S=4, HAS_SEQ_IDS=False), 1, 1))
@@ -60,7 +61,8 @@ for dtype in (torch.bfloat16, torch.float32):
         bm = max(p.block_m, gp, 16)
         out.append(build(pf._prefill_kernel, {**io, **i32}, dict(
             QUERIES_PER_KV=g, GROUP_PAD=gp, BLOCK_Q=bm // gp, BLOCK_M=bm, HEAD_DIM=head_dim, BLOCK_D=bd,
-            BLOCK_N=p.block_n, BLOCK_SIZE=block_size, FP32_DOT=dtype == torch.float32), p.num_warps, p.num_stages))
+            BLOCK_N=p.block_n, BLOCK_SIZE=block_size, FP32_DOT=dtype == torch.float32, HAS_WINDOW=dtype == torch.bfloat16),
+            p.num_warps, p.num_stages))
         out.append(build(rc._reshape_and_cache_kernel, {"key_ptr": t, "value_ptr": t, "k_cache_ptr": t,
                    "v_cache_ptr": t, "slot_mapping_ptr": "*i64"}, dict(
             NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),

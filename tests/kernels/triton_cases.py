@@ -91,3 +91,19 @@ def make_step(
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def drop_blocks_outside_window(step: Step, window: int) -> int:
+    """Point every block-table entry wholly before all of its sequence's query rows' windows at a NaN-poisoned block
+    (what freeing such blocks would leave there), so a kernel that reads one returns NaN. Returns how many entries
+    were dropped (a test that drops none proves nothing). Call after the step's K/V are written."""
+    used = set(step.md.block_tables.flatten().tolist()) | {0}
+    nan_block = next(b for b in range(step.k_cache.shape[0]) if b not in used)  # a spare block: never written, NaN
+    assert step.k_cache[nan_block].isnan().all()
+    dropped = 0
+    for s, (q_len, seq_len) in enumerate(zip(step.md.query_lens_cpu, step.md.seq_lens_cpu)):
+        first_pos = seq_len - q_len  # the sequence's first query row; later rows' windows start later
+        for b in range(max(0, first_pos - window + 1) // step.md.block_size):
+            step.md.block_tables[s, b] = nan_block
+            dropped += 1
+    return dropped

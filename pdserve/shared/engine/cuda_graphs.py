@@ -173,7 +173,8 @@ class DecodeGraphRunner:
 def build_decode_graphs(config, backend, model, kv_caches, max_model_len: int) -> DecodeGraphRunner | None:
     """The engine's decode graphs for ``config`` (an ``EngineConfig``), captured now; None (and a log line that
     says why) where they do not apply: ``enforce_eager``, a device other than CUDA, tensor parallelism, an
-    attention backend other than ``triton``, or a sliding-window layer (its attention runs in the reference)."""
+    attention backend other than ``triton``, or a sliding-window layer (the windowed Triton kernels are checked
+    against the reference in the interpreter, not yet captured in a graph on a GPU)."""
     if config.enforce_eager or not str(config.device).startswith("cuda"):
         return None
     if config.tensor_parallel_size > 1:
@@ -185,7 +186,7 @@ def build_decode_graphs(config, backend, model, kv_caches, max_model_len: int) -
                        "CUDA) for graphs", getattr(backend, "name", backend))
         return None
     if any(getattr(layer.self_attn, "sliding_window", None) for layer in getattr(model, "layers", ())):
-        logger.info("CUDA graphs off: sliding-window layers attend through the reference, which syncs with the host")
+        logger.info("CUDA graphs off: sliding-window layers (windowed kernels not yet verified under graph capture)")
         return None
     sizes = cudagraph_capture_sizes(min(config.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE,
                                         config.max_num_seqs))
