@@ -144,3 +144,77 @@ def test_swap_in_blocks_are_fresh_and_join_the_prefix_cache_only_as_they_are_cac
     assert not set(cached) & set(kv.cached_block_hashes()) and kv.num_free_blocks == 0
     kv.cache_blocks(a, 10)  # the swapped-in KV is in place again
     assert set(cached) <= set(kv.cached_block_hashes())
+
+
+def decode_to(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
+    """Append tokens one decode step at a time up to ``num_tokens``, freeing out-of-window blocks as the
+    scheduler does before each step's allocation."""
+    while request.num_tokens < num_tokens:
+        kv.free_out_of_window(request)
+        assert kv.allocate_slots(request, 1) is not None
+        request.append_output_token(7)
+        request.num_computed_tokens = request.num_tokens - 1  # the new token's KV is written by the next step
+
+
+def test_a_sliding_window_frees_blocks_no_query_reads_again_and_leaves_the_null_block():
+    """Window 6, blocks of 4: before the step whose first query is at position p, keys below p - 5 are never read
+    again, so block b goes once 4(b+1) <= p - 5. The blocks keep their hashes (others may still hit them), the
+    table keeps its length with the null block (id 0) in their place, and ``free`` never releases the null block."""
+    kv = KVCacheManager(10, BLOCK, sliding_window=6)
+    a = req("a", list(range(8)))
+    a.sampling_params.max_tokens = 100
+    prefill(kv, a)  # 8 computed: the next query, at 8, reads keys 3..8, so block 0 (0..3) stays
+    assert kv.free_out_of_window(a) == 0 and kv.get_block_ids("a")[0] != 0
+    assert kv.allocate_slots(a, 1) is not None
+    a.append_output_token(7)
+    a.num_computed_tokens = 9  # the query at 9 reads keys 4..9: block 0 goes
+    assert kv.free_out_of_window(a) == 1 and kv.get_block_ids("a")[0] == 0 and kv.num_skipped("a") == 1
+    decode_to(kv, a, 30)
+    kv.free_out_of_window(a)  # as the next step's scheduling does
+    ids = kv.get_block_ids("a")
+    assert ids[:kv.num_skipped("a")] == [0] * kv.num_skipped("a")
+    first_read = (a.num_computed_tokens - 6 + 1) // BLOCK  # the block holding the window's first key
+    assert kv.num_skipped("a") == first_read and all(i != 0 for i in ids[first_read:])
+    held = kv.num_used_blocks
+    assert held == len(ids) - first_read <= 3  # a window of 6 spans at most 3 blocks of 4
+    assert set(compute_block_hashes(list(range(8)), BLOCK)) <= set(kv.cached_block_hashes())  # hashes kept
+    kv.free(a)
+    assert kv.num_used_blocks == 0 and kv.block_pool.null_block.ref_cnt == 1
+
+
+def test_without_every_layer_windowed_or_for_a_prefill_only_request_nothing_is_freed():
+    kv = KVCacheManager(10, BLOCK)
+    a = req("a", list(range(20)))
+    prefill(kv, a)
+    assert kv.free_out_of_window(a) == 0
+    kv = KVCacheManager(10, BLOCK, sliding_window=4)
+    b = req("b", list(range(20)))
+    b.prefill_only = True  # its blocks are exported whole to a decode pod
+    prefill(kv, b)
+    assert kv.free_out_of_window(b) == 0 and 0 not in kv.get_block_ids("b")
+
+
+def test_swapping_a_windowed_request_copies_only_its_live_blocks_and_never_caches_a_placeholder():
+    from pdserve.shared.engine.swap import SwapManager
+
+    kv = KVCacheManager(12, BLOCK, sliding_window=5)
+    swap = SwapManager(kv, 8)
+    a = req("a", list(range(6)))
+    a.sampling_params.max_tokens = 100
+    prefill(kv, a)
+    decode_to(kv, a, 27)
+    skipped, live = kv.num_skipped("a"), kv.get_block_ids("a")[kv.num_skipped("a"):]
+    assert skipped >= 4 and 0 not in live
+    assert swap.can_swap_out(a)
+    pairs = swap.swap_out(a)
+    assert [d for d, _ in pairs] == live and swap.num_used_cpu_blocks == len(live)
+    assert swap.can_swap_in(a, kv.num_blocks_needed(a.num_computed_tokens + 1))
+    back = swap.swap_in(a)
+    ids = kv.get_block_ids("a")
+    assert ids[:skipped] == [0] * skipped and [d for _, d in back] == ids[skipped:]
+    before = set(kv.cached_block_hashes())
+    kv.cache_blocks(a, a.num_computed_tokens)  # re-registers the swapped-in full blocks only
+    assert kv.block_pool.null_block.block_hash is None
+    assert len(set(kv.cached_block_hashes()) - before) <= len(ids) - skipped
+    kv.free(a)
+    assert kv.num_used_blocks == 0 and kv.block_pool.null_block.ref_cnt == 1

@@ -46,3 +46,27 @@ def test_unsupported_architecture_is_refused_naming_the_supported_ones(tiny_mode
     assert str(exc.value) == (
         "Model architectures ['GPT2LMHeadModel'] are not supported for now. Supported architectures: "
         "['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']")
+
+
+@pytest.mark.parametrize("num_kv_blocks,new,preemption_mode", [(16, 100, "recompute"), (6, 50, "recompute"),
+                                                               (6, 50, "swap")])
+def test_a_windowed_model_frees_out_of_window_blocks_and_stays_exact(tiny_model, prompt_of, num_kv_blocks, new,
+                                                                     preemption_mode):
+    """Mistral (window 12, blocks of 16), 4 sequences of 20 prompt tokens. With 15 usable blocks and 100 new
+    tokens: full attention would need 32 blocks and preempt; freeing the blocks that fall out of the window keeps
+    each sequence at 2-3 blocks, so nothing is preempted. With 5, sequences are preempted (recomputed, or swapped
+    with their freed blocks left out). Either way the greedy tokens equal HF fp32's (a kernel reading a freed
+    block, by then another sequence's, would not)."""
+    prompts = [prompt_of(20, offset=o) for o in (1, 4, 9, 13)]
+    want = hf_greedy_of(tiny_model("mistral"), prompts, new)
+    llm = LLM(tiny_model("mistral"), dtype="float32", num_kv_blocks=num_kv_blocks, max_model_len=20 + new,
+              preemption_mode=preemption_mode)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))]
+    engine = llm.llm_engine
+    assert engine.kv_manager.sliding_window == 12
+    assert got == want
+    assert (engine.scheduler.num_preemptions == 0) == (num_kv_blocks == 16)
+    if preemption_mode == "swap":
+        assert engine.scheduler.num_blocks_swapped_out > 0
+    assert engine.kv_manager.num_used_blocks == 0 and engine.kv_manager.block_pool.null_block.ref_cnt == 1

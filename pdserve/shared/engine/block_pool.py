@@ -132,7 +132,7 @@ class BlockPool:
         stored = []
         for i in range(start, end):
             block, h = blocks[i], block_hashes[i]
-            if block.block_hash is not None:  # already cached (a prefix hit)
+            if block.block_hash is not None or block is self.null_block:  # a prefix hit; a window-freed placeholder
                 continue
             if h in self.cached_block_hash_to_block:
                 # Same content computed twice (two requests prefilled the prefix in one step): keep

@@ -49,8 +49,14 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False):
+    """``sliding_window``: set when every layer attends over a window (Mistral): the widest, in tokens. A running
+    request's blocks that fall wholly before its next query's window are then freed (``free_out_of_window``)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False,
+                 sliding_window: int | None = None):
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_skipped_blocks: dict[str, int] = {}  # leading blocks of a request freed by the window (null now)
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -160,14 +166,18 @@ class KVCacheManager:
             self.cache_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
-    def allocate_uncached(self, request: Request, num_blocks: int) -> list[int]:
+    def allocate_uncached(self, request: Request, num_blocks: int, num_skipped: int = 0) -> list[int]:
         """Give a request that holds no block ``num_blocks`` new ones, none registered in the prefix cache yet
-        (swap-in: their KV is copied in before the step; ``cache_blocks`` registers them as they fill). Returns
-        their ids. Raises ``ValueError`` when fewer are free (check ``num_free_blocks`` first)."""
+        (swap-in: their KV is copied in before the step; ``cache_blocks`` registers them as they fill), after
+        ``num_skipped`` null placeholders (blocks its sliding window had freed before it was swapped out; never
+        registered). Returns the new blocks' ids. Raises ``ValueError`` when fewer are free (check
+        ``num_free_blocks`` first)."""
         assert request.request_id not in self.req_to_blocks, "the request already holds blocks"
         blocks = self.block_pool.get_new_blocks(num_blocks)
-        self.req_to_blocks[request.request_id] = blocks
-        self.num_cached_block[request.request_id] = 0
+        self.req_to_blocks[request.request_id] = [self.block_pool.null_block] * num_skipped + blocks
+        self.num_cached_block[request.request_id] = num_skipped
+        if num_skipped:
+            self.num_skipped_blocks[request.request_id] = num_skipped
         return [b.block_id for b in blocks]
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -185,7 +195,32 @@ class KVCacheManager:
         """Release the request's blocks, tail first (tails are evicted before heads)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        skipped = self.num_skipped_blocks.pop(request.request_id, 0)  # already freed: null placeholders
+        self.block_pool.free_blocks(reversed(blocks[skipped:]))
+
+    def free_out_of_window(self, request: Request) -> int:
+        """With ``sliding_window`` ``W``: free the request's blocks that lie wholly before its next query's window
+        (positions below ``num_computed_tokens - W + 1``: no query of this request reads them again) and leave the
+        null block in their place in its block table, as vLLM's ``SlidingWindowManager.remove_skipped_blocks``
+        does. Freed blocks keep their hash (still prefix-cache hits for others until evicted). Not for a
+        ``prefill_only`` request, whose every block is exported to a decode pod. Returns how many were freed."""
+        w = self.sliding_window
+        blocks = self.req_to_blocks.get(request.request_id)
+        if w is None or not blocks or request.prefill_only:
+            return 0
+        done = self.num_skipped_blocks.get(request.request_id, 0)
+        upto = min(max(0, request.num_computed_tokens - w + 1) // self.block_size, len(blocks))
+        if upto <= done:
+            return 0
+        freed = blocks[done:upto]
+        blocks[done:upto] = [self.block_pool.null_block] * (upto - done)
+        self.num_skipped_blocks[request.request_id] = upto
+        self.block_pool.free_blocks(reversed(freed))  # tail first: the prefix's head is evicted last
+        return upto - done
+
+    def num_skipped(self, request_id: str) -> int:
+        """The request's leading blocks freed by ``free_out_of_window`` (null placeholders in its table)."""
+        return self.num_skipped_blocks.get(request_id, 0)
 
     def trim(self, request: Request, num_computed_tokens: int) -> None:
         """Free the request's trailing blocks that hold no computed token (rejected drafts' slots). They were

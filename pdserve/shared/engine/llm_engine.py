@@ -39,6 +39,7 @@ from pdserve.shared.engine.stats import EngineCounters, kv_and_scheduler_stats
 from pdserve.shared.engine.structured_output import StructuredOutputManager
 from pdserve.shared.engine.swap import SwapManager
 from pdserve.shared.models.loader import load_config
+from pdserve.shared.models.sliding_window import block_freeing_window
 from pdserve.shared.models.resolve import resolve_model
 
 __all__ = ["LLMEngine", "RequestRejected"]
@@ -62,7 +63,7 @@ class LLMEngine:
         self.backend, self.model, self.kv_cache, self.tp, plan = ex.backend, ex.model, ex.kv_cache, ex.tp, ex.plan
         self.max_model_len = plan.max_model_len
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching,
-                                         config.enable_kv_events)
+                                         config.enable_kv_events, block_freeing_window(mc, config))
         self.offload = build_offload(config, self.model_dir, self.kv_spec, self.kv_cache)
         if self.offload is not None:
             self.kv_manager.set_offload(self.offload)

@@ -201,6 +201,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self.kv.free_out_of_window(request)  # a sliding-window model: blocks no query reads again
             num_new = self._num_new_running(request, budget)
             if num_new <= 0:
                 i += 1

@@ -22,3 +22,14 @@ def layer_sliding_windows(config) -> list[int | None]:
         return [int(window)] * n
     return [int(window) if t == "sliding_attention" else None for t in types]
 
+
+def block_freeing_window(config, engine_config=None) -> int | None:
+    """The window past which a request's KV blocks may be freed: the widest layer window when every layer has
+    one (Mistral), else None (a full-attention layer reads every position, so no block may go). None too with a
+    draft model (``speculative_config.method == "draft_model"``): its own KV shares the target's block tables
+    and may attend over every position."""
+    spec = getattr(engine_config, "speculative_config", None)
+    if spec is not None and getattr(spec, "method", None) == "draft_model":
+        return None
+    windows = layer_sliding_windows(config)
+    return max(windows) if windows and all(windows) else None
