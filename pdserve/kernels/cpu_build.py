@@ -22,7 +22,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The ``flags`` line of ``/proc/cpuinfo`` (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -41,7 +42,7 @@ def _source_text(source: Path) -> bytes:
 def build(source: Path, flags: list[str]) -> Path:
     """Path of the library built from ``source`` with ``flags``; RuntimeError when it cannot be built."""
     text = _source_text(source)
-    key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join(flags).encode() + cpu_flags().encode()).hexdigest()[:16]
     root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
     target = root / f"{source.stem}-{key}.so"
     if target.exists():

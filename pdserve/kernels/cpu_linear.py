@@ -11,6 +11,11 @@ bound by reading the weights, and bf16 reads half the bytes (SmolLM2-135M, 1 thr
 at 1 row 36 -> 27 CPU-ms, at 16 rows 104 -> 89; ``pdserve/kernels/README.md``) with bit-identical results, since a bf16
 value widened to fp32 is exact. Built at first use by ``cpu_build``; ``None`` from ``load()`` (no compiler, or
 ``PDSERVE_SKINNY_LINEAR=0``) keeps PyTorch's path.
+
+On CPUs whose ``/proc/cpuinfo`` lists ``avx512_bf16``, ``linear_cpu_bf16.c`` is built too (``load_dpbf16``): the same
+one-pass product with bf16 inputs and weights through ``vdpbf16ps`` (``skinny_linear_dpbf16``), twice the
+multiply-adds per instruction of the fp32 FMA. Its inputs are rounded to bf16 first (exact for a bf16 model's
+activations), so its sums differ from the fp32 kernel's; it too sums each output in one order whatever the rows.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from pdserve.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("linear_cpu.c")
+SOURCE_DPBF16 = Path(__file__).with_name("linear_cpu_bf16.c")
 # no -ffast-math and no FMA contraction outside the explicit intrinsics: one summation order everywhere
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Rows up to this go through the kernel; more rows are compute-bound and MKL's blocked GEMM wins (measured on
@@ -31,6 +37,8 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopen
 MAX_ROWS = 16
 _lib: ctypes.CDLL | None = None
 _tried = False
+_dp_lib: ctypes.CDLL | None = None
+_dp_tried = False
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -47,6 +55,41 @@ def load() -> ctypes.CDLL | None:
                 fn.restype = None
             _lib = lib
     return _lib
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether ``/proc/cpuinfo``'s flags list ``flag`` (e.g. ``avx512_bf16``); False where it cannot be read."""
+    return flag in cpu_build.cpu_flags().split()
+
+
+def load_dpbf16() -> ctypes.CDLL | None:
+    """The AVX512-BF16 kernel, built only where the CPU has ``avx512_bf16`` (and ``PDSERVE_SKINNY_LINEAR`` is not 0)."""
+    global _dp_lib, _dp_tried
+    if not _dp_tried:
+        _dp_tried = True
+        if os.environ.get("PDSERVE_SKINNY_LINEAR", "1") == "0" or not cpu_has("avx512_bf16"):
+            return None
+        lib = cpu_build.load_library(SOURCE_DPBF16, [*FLAGS, "-mavx512bf16"])
+        if lib is not None:
+            lib.skinny_linear_dpbf16.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64]
+            lib.skinny_linear_dpbf16.restype = None
+            _dp_lib = lib
+    return _dp_lib
+
+
+def skinny_linear_dpbf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [M, K] any float dtype (rounded to bf16) @ ``weight`` [N, K]^T bf16 contiguous + ``bias`` [N] float32
+    -> [M, N] float32, through ``vdpbf16ps``; M up to ``MAX_ROWS``. Needs ``load_dpbf16()``."""
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        x = x.to(torch.bfloat16).contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.shape[1] == k
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    out = torch.empty((m, n), dtype=torch.float32)
+    load_dpbf16().skinny_linear_dpbf16(x.data_ptr(), m, x.stride(0), weight.data_ptr(),
+                                       None if bias is None else bias.data_ptr(), out.data_ptr(), n, k)
+    return out
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -215,9 +215,13 @@ def breakdown(engine, steps: int) -> dict:
 
     t = PartTimer()
     backend, model, sched = engine.backend, engine.model, engine.scheduler
+    from pdserve.kernels.linear_choice import ChosenLinear
+
     fp32_cls = llama.Fp32WeightLinear
     targets = [
         (cpu_linear, "skinny_linear", t.wrap(_gemm_label, cpu_linear.skinny_linear)),
+        (cpu_linear, "skinny_linear_dpbf16", t.wrap(_gemm_label, cpu_linear.skinny_linear_dpbf16)),
+        (ChosenLinear, "forward", t.wrap("projections: casts, Python", ChosenLinear.forward)),
         (F, "linear", t.wrap(_gemm_label, F.linear)),
         (fp32_cls, "forward", t.wrap("projections: casts, Python", fp32_cls.forward)),
         (fp32_cls, "forward_f32", t.wrap("projections: casts, Python", fp32_cls.forward_f32)),
@@ -298,7 +302,8 @@ def step_command(batch, threads_list, rounds, decode_steps, dtype, prompt_len, m
     """A decode step and a prefill against their matmul floor, 1 and 2 threads in turns (issue 15).
 
     The other CPU fast paths are switched off for an A/B with the engine's own variables: PDSERVE_FUSED_CPU=0,
-    PDSERVE_SKINNY_LINEAR=0, PDSERVE_BF16_MATMUL=native (bf16 GEMMs instead of fp32 weight copies)."""
+    PDSERVE_SKINNY_LINEAR=0, PDSERVE_CPU_LINEAR=bf16|fp32|skinny (a bf16 model's projections forced onto one CPU
+    product instead of the measured choice per shape)."""
     from pdserve.shared.engine.config import EngineConfig
     from pdserve.shared.engine.llm_engine import LLMEngine
 

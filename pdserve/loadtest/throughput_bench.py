@@ -108,7 +108,8 @@ class Contender:
                                          stderr=log, text=True, env=env)
         try:
             self._send(json.dumps(spec))
-            self.load_seconds = self._read()["ready"]
+            self.ready = self._read()
+            self.load_seconds = self.ready["ready"]
         except (RuntimeError, ValueError, KeyError, OSError):
             # a worker that did not start must not keep its memory (vLLM's engine core is a child process)
             try:
@@ -161,6 +162,33 @@ class Contender:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
+
+
+CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+
+
+def cpu_flags_of_note() -> list[str]:
+    from pdserve.kernels import cpu_linear
+
+    return [f for f in CPU_FLAGS_OF_NOTE if cpu_linear.cpu_has(f)]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def linear_choice_lines(summary: dict | None) -> list[str]:
+    """One line per GEMM shape (out x in features): the CPU product chosen for each row bucket."""
+    if not summary or not summary.get("shapes"):
+        return []
+    head = (f"CPU linear ({summary['mode']}, {summary['threads']} threads, AVX512-BF16 kernel "
+            f"{'built' if summary['dpbf16'] else 'not built'}): path per row bucket (rows <= bucket)")
+    return [head] + [f"  {shape:>10}: " + ", ".join(f"{b} {p}" for b, p in plan.items())
+                     for shape, plan in summary["shapes"].items()]
 
 
 def _summary(system: str, runs: list[dict]) -> dict:
@@ -227,6 +255,7 @@ def throughput_command(num_requests, seed, dtype, rounds, kv_gib, hf_batch_size,
                f"tokens), {dtype}, greedy, ignore_eos, {kv_gib:g} GiB KV, {threads} threads; contenders "
                f"{', '.join(systems)} in turns x {rounds}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
                f"load average {os.getloadavg()[0]:.1f}; logs in {log_dir}")
+    click.echo(f"CPU: {cpu_model()}; flags {' '.join(cpu_flags_of_note()) or 'none of ' + ' '.join(CPU_FLAGS_OF_NOTE)}")
     if gpu:
         click.echo(f"device: {torch.cuda.get_device_name()} (HF, vLLM-CPU and the CPU roofline left out)")
     roof = None if gpu else measure_roofline(getattr(torch, dtype), threads)
@@ -248,6 +277,8 @@ def throughput_command(num_requests, seed, dtype, rounds, kv_gib, hf_batch_size,
                 systems.remove(s)
                 continue
             click.echo(f"  {s}: loaded and warmed up in {contenders[-1].load_seconds:.1f} s")
+            for line in linear_choice_lines(contenders[-1].ready.get("linear_choice")):
+                click.echo(f"    {line}")
         for turn in range(rounds):
             for c in contenders:
                 r = c.run()
@@ -271,4 +302,6 @@ def throughput_command(num_requests, seed, dtype, rounds, kv_gib, hf_batch_size,
             click.echo(line)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"rows": rows, "roofline": roof, "threads": threads, "dtype": dtype}, f, indent=2)
+            json.dump({"rows": rows, "roofline": roof, "threads": threads, "dtype": dtype,
+                       "cpu_flags": cpu_flags_of_note(),
+                       "linear_choice": contenders[0].ready.get("linear_choice") if contenders else None}, f, indent=2)

@@ -50,6 +50,9 @@ class PdserveRunner:
         self.params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in spec["outputs"]]
         self.prompts = spec["prompts"]
         self.llm.generate(self.prompts[:4], self.params[:4], use_tqdm=False)  # warm-up
+        from pdserve.kernels.linear_choice import chooser
+
+        self.info = {"linear_choice": chooser().summary()}  # the CPU product chosen per GEMM shape (bf16 on CPU)
 
     def run(self) -> dict:
         engine = self.llm.llm_engine
@@ -184,7 +187,7 @@ def main(system: str) -> None:
         torch.set_num_threads(spec["threads"])
     start = time.perf_counter()
     runner = RUNNERS[system](spec)
-    out.write(json.dumps({"ready": time.perf_counter() - start}) + "\n")
+    out.write(json.dumps({"ready": time.perf_counter() - start, **getattr(runner, "info", {})}) + "\n")
     out.flush()
     for line in sys.stdin:
         if line.strip() != "run":

@@ -33,6 +33,24 @@ def test_greedy_tokens_equal_hf_fp32(arch, tp, tiny_model, prompts):
     assert got == want
 
 
+@pytest.mark.parametrize("path", ["bf16", "fp32", "skinny"])
+def test_bf16_greedy_tokens_equal_hf_for_each_cpu_linear_path(path, tiny_model, prompts, monkeypatch):
+    """A bf16 model with every projection forced onto one CPU product (``PDSERVE_CPU_LINEAR``) still gives HF's
+    bf16 and fp32 greedy tokens (the tiny model's logits are far apart, so rounding does not flip a token)."""
+    monkeypatch.setenv("PDSERVE_CPU_LINEAR", path)
+    llm = LLM(tiny_model("llama"), dtype="bfloat16")
+    assert {layer.path(1) for layer in _projections(llm)} == {path}
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == hf_greedy_of(tiny_model("llama"), prompts, NEW, "bfloat16")
+    assert got == hf_greedy_of(tiny_model("llama"), prompts, NEW)
+
+
+def _projections(llm):
+    model = llm.llm_engine.model
+    return [model.lm_head] + [m for layer in model.layers
+                              for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)]
+
+
 def test_unsupported_architecture_is_refused_naming_the_supported_ones(tiny_model, tmp_path):
     import json
     import shutil

@@ -23,7 +23,12 @@ def test_contenders_run_in_turns_and_report_tokens_per_cpu_second(tmp_path):
     turns = [line.split()[2] for line in lines if line.strip().startswith("round ")]
     assert turns == ["pdserve", "hf-static", "pdserve", "hf-static"], proc.stdout  # A B A B
     assert any(line.startswith("pdserve: matmul floor") for line in lines), proc.stdout
-    rows = {r["system"]: r for r in json.loads(out_json.read_text())["rows"]}
+    report = json.loads(out_json.read_text())
+    # the host's flags and, for a bf16 model on CPU, the product chosen per GEMM shape: figures from hosts can be told apart
+    assert any(line.startswith("CPU: ") and " flags " in line for line in lines), proc.stdout
+    assert report["linear_choice"]["shapes"]["49152x576"].keys() == {"1", "4", "8", "16", "64", "256"}
+    assert any("49152x576: 1 " in line for line in lines), proc.stdout
+    rows = {r["system"]: r for r in report["rows"]}
     for row in rows.values():
         assert all(r["output_tokens"] == rows["pdserve"]["runs"][0]["output_tokens"] for r in row["runs"])
         assert 0 < row["tok_per_cpu_s"] and 0 < row["tok_s"]

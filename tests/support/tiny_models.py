@@ -45,20 +45,20 @@ def build_tiny_model(arch: str, out, tokenizer_dir, seed: int = 0) -> None:
 _HF_CACHE: dict = {}
 
 
-def hf_greedy_of(model_dir, prompts, new: int) -> list[list[int]]:
-    """HF transformers' fp32 greedy continuation of each prompt, exactly ``new`` tokens (EOS not stopping it);
-    computed once per session for the same arguments."""
-    key = (str(model_dir), tuple(map(tuple, prompts)), new)
+def hf_greedy_of(model_dir, prompts, new: int, dtype: str = "float32") -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt in ``dtype`` (default fp32), exactly ``new`` tokens (EOS
+    not stopping it); computed once per session for the same arguments."""
+    key = (str(model_dir), tuple(map(tuple, prompts)), new, dtype)
     if key not in _HF_CACHE:
-        _HF_CACHE[key] = _hf_greedy(model_dir, prompts, new)
+        _HF_CACHE[key] = _hf_greedy(model_dir, prompts, new, dtype)
     return _HF_CACHE[key]
 
 
-def _hf_greedy(model_dir, prompts, new: int) -> list[list[int]]:
+def _hf_greedy(model_dir, prompts, new: int, dtype: str) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     out = []
     with torch.inference_mode():
         for p in prompts:

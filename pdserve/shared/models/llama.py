@@ -72,8 +72,8 @@ class Fp32WeightLinear(nn.Module):
 
 
 def native_low_precision_matmul() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); ``PDSERVE_BF16_MATMUL=native|fp32``
-    overrides."""
+    """Whether this CPU multiplies fp16 natively (AVX512-BF16 or AMX); ``PDSERVE_BF16_MATMUL=native|fp32``
+    overrides. bf16 models choose per shape instead (``kernels/linear_choice.py``, ``PDSERVE_CPU_LINEAR``)."""
     choice = os.environ.get("PDSERVE_BF16_MATMUL")
     if choice in ("native", "fp32"):
         return choice == "native"
@@ -319,6 +319,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def use_chosen_linears(self) -> None:
+        """Swap a bf16 model's projections and LM head for ``linear_choice.ChosenLinear`` (CPU; call after loading
+        the weights): per shape and row count the fastest of bf16 GEMMs, fp32 weight copies and the skinny kernel."""
+        from pdserve.kernels.linear_choice import ChosenLinear
+
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = ChosenLinear(attn.qkv_proj), ChosenLinear(attn.o_proj)
+            mlp.gate_up_proj, mlp.down_proj = ChosenLinear(mlp.gate_up_proj), ChosenLinear(mlp.down_proj)
+        self.lm_head = ChosenLinear(self.lm_head)
 
     def use_fp32_matmul_weights(self) -> None:
         """Swap every projection and the LM head for ``Fp32WeightLinear`` (call after loading the weights);

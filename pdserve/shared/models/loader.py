@@ -48,8 +48,10 @@ def load_model(model_dir, config, backend, dtype: torch.dtype, device: str, max_
     except KeyError as exc:
         raise KeyError(f"checkpoint in {model_dir}: {exc.args[0]}") from None
     model.init_rope(dtype)
-    if torch.device(device).type == "cpu" and (dtype == torch.float32 or (
-            dtype in (torch.bfloat16, torch.float16) and not native_low_precision_matmul())):
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu and dtype == torch.bfloat16:
+        model.use_chosen_linears()  # per shape, measured: bf16 GEMMs, fp32 copies or the skinny kernel
+    elif on_cpu and (dtype == torch.float32 or (dtype == torch.float16 and not native_low_precision_matmul())):
         # fp32 models too: the wrapper shares their weights and sends few-row steps to cpu_linear
         model.use_fp32_matmul_weights()
     return model.eval()
