@@ -35,11 +35,13 @@ from urllib.parse import quote
 
 import click
 
+from pdserve.services.decode.settings import DecodeSettings
+from pdserve.services.prefill.settings import PrefillSettings
 from pdserve.services.router.drain import FAREWELL_S
 from pdserve.services.router.settings import RouterSettings
 from pdserve.services.router.settings import load_settings as load_router_settings
 from pdserve.shared.protocol.keys import redact_url
-from pdserve.shared.settings import cli_option, env_names
+from pdserve.shared.settings import cli_option, env_names, load_settings
 from pdserve.shared.worker.settings import WorkerSettings
 
 SERVICE_ORDER = ("redis", "registry", "decode", "prefill", "router")
@@ -187,7 +189,8 @@ FORWARDED = [(WorkerSettings, "dtype"), (WorkerSettings, "max_model_len"), (Work
              (RouterSettings, "local_prefill_threshold"), (RouterSettings, "pd_policy"),
              (RouterSettings, "ttft_slo_ms"), (RouterSettings, "tpot_slo_ms"), (RouterSettings, "prefill_tokens_per_s"),
              (RouterSettings, "chat_template"), (RouterSettings, "tool_call_parser"),
-             (RouterSettings, "enable_auto_tool_choice"),
+             (RouterSettings, "enable_auto_tool_choice"), (RouterSettings, "prefill_stall_s"),
+             (DecodeSettings, "lease_ttl_s"), (PrefillSettings, "srpt_aging_tokens_per_s"),
              (WorkerSettings, "speculative_config"), (WorkerSettings, "kv_transfer_config"),
              (WorkerSettings, "device"), (WorkerSettings, "enforce_eager"),
              (WorkerSettings, "max_cudagraph_capture_size"), (WorkerSettings, "kv_offloading_size"),
@@ -528,6 +531,10 @@ def run(opts: UpOptions) -> int:
     router_grace_s = 0.0
     if opts.router:  # the router's settings from the environment (its silence bound against the keep-alives), now
         router_grace_s = load_router_settings().shutdown_grace_s
+    if opts.num_decode:  # the decode pods' lease against the routers' prefill stall check, before anything starts
+        load_settings(DecodeSettings, **{name: opts.engine[ENGINE_FLAGS[name]] for name in ("prefill_stall_s",
+                                                                                            "lease_ttl_s")
+                                         if ENGINE_FLAGS[name] in opts.engine})
     check_model(opts.model)
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-")) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -114,3 +114,16 @@ def settings_options(settings_cls: type[BaseSettings], exclude: Iterable[str] = 
 def given(flags: dict) -> dict:
     """Only the flags the user set, so ``PDSERVE_*`` variables fill in the rest."""
     return {k: v for k, v in flags.items() if v is not None}
+
+
+def load_settings(settings_cls: type[BaseSettings], **flags):
+    """``settings_cls(**flags)`` (``PDSERVE_*`` fill in the rest); raises ``click.ClickException`` with one line per
+    bad field: a validator's own sentence, else ``field: message``."""
+    from pydantic import ValidationError
+
+    try:
+        return settings_cls(**flags)
+    except ValidationError as e:
+        lines = [str(err["ctx"]["error"]) if err["type"] == "value_error" and "ctx" in err
+                 else f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+        raise click.ClickException("; ".join(lines)) from None

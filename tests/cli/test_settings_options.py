@@ -111,3 +111,28 @@ def test_up_forwards_engine_settings_with_the_flags_of_their_fields():
         assert repr(option.type) == repr(worker_option.type)
     own = {f for f in UpOptions.__dataclass_fields__ if f != "engine"}
     assert set(by_name) == own | {name for _, name in FORWARDED}
+
+
+def test_the_decode_lease_outlives_the_routers_prefill_stall_check_by_construction(monkeypatch):
+    """The lease is derived from --prefill-stall-s, and a lease set at or above stall + margin is taken while one
+    below it is refused with one clear line, by the decode worker's flags and by ``pdserve up`` before it starts
+    anything."""
+    from pdserve.services.decode.main import command as decode_command
+    from pdserve.services.decode.settings import LEASE_MARGIN_S, DecodeSettings
+
+    for name in ("PDSERVE_PREFILL_STALL_S", "PDSERVE_LEASE_TTL_S"):
+        monkeypatch.delenv(name, raising=False)
+    assert (DecodeSettings().prefill_stall_s, DecodeSettings().lease_ttl_s) == (30.0, 30.0 + LEASE_MARGIN_S)
+    assert DecodeSettings(prefill_stall_s=4).lease_ttl_s == 30.0
+    assert DecodeSettings(prefill_stall_s=45).lease_ttl_s == 45.0 + LEASE_MARGIN_S
+    assert DecodeSettings(prefill_stall_s=0, lease_ttl_s=1).lease_ttl_s == 1.0  # the routers never move one
+    assert DecodeSettings(prefill_stall_s=30, lease_ttl_s=30 + LEASE_MARGIN_S).lease_ttl_s == 40.0  # the boundary
+    want = ("--lease-ttl-s 39.9 must be at least --prefill-stall-s 30 + 10 = 40 s: a prefill worker stopped while "
+            "it holds a KV reservation would fail its request when the lease expires before the router moves the "
+            "request; raise PDSERVE_LEASE_TTL_S or lower PDSERVE_PREFILL_STALL_S (leave the lease unset to derive "
+            "it)")
+    result = CliRunner().invoke(decode_command, ["--prefill-stall-s", "30", "--lease-ttl-s", "39.9"])
+    assert result.exit_code == 1 and result.output.strip() == f"Error: {want}", result.output
+    monkeypatch.setenv("PDSERVE_PREFILL_STALL_S", "30")  # what the router and the workers read alike
+    result = CliRunner().invoke(up_command, ["--lease-ttl-s", "39.9", "--no-router"])
+    assert result.exit_code == 1 and result.output.strip().endswith(want), result.output

@@ -169,3 +169,50 @@ def test_output_token_ids_is_a_read_only_view_not_a_copy():
     assert not hasattr(view, "append")
     resumed = Request("s", [1], SamplingParams(), 8, frozenset(), output_token_ids=[4, 5])
     assert resumed.output_token_ids == [4, 5] and resumed.all_token_ids == [1, 4, 5]
+
+
+def srpt_order(requests: list[Request], aging: float) -> list[str]:
+    q = create_waiting_queue("srpt", aging)
+    for r in requests:
+        q.add(r)
+    return [r.request_id for r in q]
+
+
+def test_srpt_takes_the_shortest_remaining_prefill_aged_by_the_time_waited():
+    # ranks at any moment: remaining - 200 x waited; an old short prompt, then the short ones that came just after the
+    # long one (within (48 - 16) / 200 = 0.16 s), the long one, and a short one that came too late to overtake it
+    old, long_, s1, s2, late = (req("old", list(range(100, 116)), arrival=9.0), req("long", list(range(48)), arrival=10.0),
+                                req("s1", list(range(200, 216)), arrival=10.1),
+                                req("s2", list(range(300, 316)), arrival=10.15),
+                                req("late", list(range(400, 416)), arrival=10.2))
+    mixed = [late, s2, long_, old, s1]
+    assert srpt_order(mixed, 200.0) == ["old", "s1", "s2", "long", "late"]
+    assert srpt_order(mixed, 0.0) == ["late", "s2", "old", "s1", "long"]  # no aging: shortest, ties as admitted
+    assert srpt_order(mixed, 1e6) == ["old", "long", "s1", "s2", "late"]  # strong aging: arrival order (FIFO)
+
+
+def test_srpt_starvation_bound_an_s_token_prompt_is_overtaken_only_by_arrivals_within_s_minus_1_over_a():
+    """The bound in ``SRPTQueue``'s docstring, checked on every arrival offset around it: a 1-token prompt that came
+    d seconds after an S-token one goes first exactly when d < (S - 1) / A."""
+    aging = 200.0
+    for size in (2, 17, 201, 1024):
+        bound = (size - 1) / aging
+        for d in (0.0, bound * 0.5, bound - 1e-3, bound + 1e-3, bound * 2):
+            big, one = req("big", list(range(size)), arrival=50.0), req("one", [7], arrival=50.0 + d)
+            first = srpt_order([one, big], aging)[0]
+            assert first == ("one" if d < bound else "big"), (size, d, bound)
+
+
+def test_srpt_scheduler_prefills_in_aged_order_and_a_client_priority_still_comes_first():
+    sched = make(budget=16, max_num_seqs=1, policy="srpt")
+    sched.waiting = create_waiting_queue("srpt", 200.0)
+    sched.add_request(req("long", list(range(48)), max_tokens=1, arrival=10.0))
+    sched.add_request(req("short", list(range(100, 116)), max_tokens=1, arrival=10.1))
+    sched.add_request(req("urgent", list(range(200, 232)), max_tokens=1, arrival=11.0, priority=-1))
+    order = []
+    for _ in range(8):
+        order += [rid for rid, _ in step(sched) if rid not in order]
+        for r in list(sched.running):
+            if r.num_output_tokens:
+                sched.detach(r)
+    assert order == ["urgent", "short", "long"]

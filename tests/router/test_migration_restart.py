@@ -6,6 +6,7 @@ Real registry and Redis (tests/router/conftest.py); the pod's /health is a real 
 from __future__ import annotations
 
 import asyncio
+import socket
 import types
 
 import httpx
@@ -13,7 +14,9 @@ from fastapi import FastAPI
 from redis.asyncio import Redis
 from router_harness import ThreadServer
 
+from pdserve.services.router import pod_probe
 from pdserve.services.router.dispatch import DispatchConfig, Dispatcher
+from pdserve.services.router.errors import OpenAIError
 from pdserve.services.router.migration import Migrator
 from pdserve.services.router.relay import ChoiceRoute
 from pdserve.shared.registry_client import RegistryClient
@@ -86,3 +89,39 @@ def test_the_health_probe_goes_through_the_routers_shared_client(redis_url, regi
     finally:
         server.stop()
     assert sent == [server.url + "/health"]
+
+
+def move(redis_url: str, registry_url: str, route: ChoiceRoute):
+    """``migrator(0, route, "no output ...")`` with no decode pod in the registry: False (keep waiting) or the
+    OpenAIError it raises."""
+    async def scenario():
+        redis = Redis.from_url(redis_url)
+        registry = RegistryClient(registry_url)
+        try:
+            job = types.SimpleNamespace(request_ids=[route.request_id], pods=[route.pod_id])
+            migrator = Migrator(redis, Dispatcher(redis, registry, DispatchConfig(cache_s=0.0)), job, 3, 1.0)
+            return await migrator(0, route, "no output for 3.0 s")
+        except OpenAIError as exc:
+            return exc
+        finally:
+            await registry.aclose()
+            await redis.aclose()
+    return asyncio.run(scenario())
+
+
+def test_the_only_decode_pod_stopped_is_waited_for_and_a_gone_one_gets_503(redis_url, registry_url, redis_client,
+                                                                             monkeypatch):
+    """A SIGSTOPped pod's port still takes connections (the kernel queues them) and answers nothing; a killed pod's
+    port refuses them. With no other decode pod, a request on the stopped one waits for it (as for a pod that
+    restarts), one on the gone one fails with the usual 503."""
+    monkeypatch.setattr(pod_probe, "PROBE_TIMEOUT_S", 0.5)
+    with socket.socket() as stopped, socket.socket() as gone:
+        stopped.bind(("127.0.0.1", 0))
+        stopped.listen(8)  # never accepted: a stopped process's listening socket
+        gone.bind(("127.0.0.1", 0))  # bound, not listening: connection refused
+        waiting = route(pod_health_url=f"http://127.0.0.1:{stopped.getsockname()[1]}/health")
+        assert move(redis_url, registry_url, waiting) is False
+        assert waiting.pod_stopped and waiting.migrations == 0 and waiting.request_id == "cmpl-1"
+        failed = move(redis_url, registry_url, route(pod_health_url=f"http://127.0.0.1:{gone.getsockname()[1]}/health"))
+    assert isinstance(failed, OpenAIError) and (failed.status, failed.message) == (
+        503, "No decode pod is available; retry later")

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from pdserve.services.router.errors import OpenAIError
 from pdserve.services.router.prefill_watch import PrefillWatch
 from pdserve.shared.protocol import keys
 from support.redis_server import RedisServer
@@ -61,3 +62,41 @@ def test_a_redis_restarted_since_the_request_was_queued_is_named():
     with RedisServer() as server:  # just started: up less than the request has been queued
         got = asyncio.run(reason(server.url, route(120), make_group=True))
     assert got is not None and "Redis restarted" in got and "after it was queued" in got, got
+
+
+class NoPrefillPods:
+    """The dispatcher as the watch sees it when the registry lists no prefill pod (all stopped or gone)."""
+
+    fallback_max_tokens = 256
+
+    async def pods(self, role: str) -> list:
+        return []
+
+
+async def queued_verdicts(url: str) -> list:
+    """The watch's answer for requests still waiting in the prefill queue (not delivered) with no prefill pod alive:
+    a 40-token prompt, a 300-token one queued just now, the same queued ``stall_s`` ago."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        await client.xgroup_create(keys.PREFILL_STREAM, keys.PREFILL_GROUP, id="0", mkstream=True)
+        entry = (await client.xadd(keys.PREFILL_STREAM, {"data": b"x"})).decode()
+        watch = PrefillWatch(client, NoPrefillPods(), stall_s=30, retry_after_s=2)
+        verdicts = []
+        for tokens, queued_s_ago in ((40, 0), (300, 0), (300, 31)):
+            r = route(queued_s_ago)
+            r.queue_entry, r.prompt_token_ids, r.token_ids = entry, list(range(tokens - 1)), [5]
+            try:
+                verdicts.append(await watch.check(r))
+            except OpenAIError as exc:
+                verdicts.append((exc.status, exc.message, exc.headers))
+        return verdicts
+    finally:
+        await client.aclose()
+
+
+def test_with_no_prefill_pod_alive_a_queued_short_prompt_moves_to_local_prefill_and_a_long_one_waits_then_503():
+    with RedisServer() as server:
+        short, long_now, long_late = asyncio.run(queued_verdicts(server.url))
+    assert short == "no prefill pod is alive: 40 tokens fit a decode pod's local prefill"
+    assert long_now is None
+    assert long_late == (503, "No prefill pod took the request within 30 s; retry later", {"Retry-After": "2"})

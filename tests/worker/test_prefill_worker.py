@@ -171,3 +171,52 @@ def test_prompts_that_arrive_together_are_prefilled_together_and_each_gets_its_o
             outs += engine.step()
         alone.append(outs[-1].outputs[0].token_ids)
     assert firsts == alone
+
+
+@pytest.mark.slow
+def test_queued_prompts_are_prefilled_shortest_remaining_first_aged_by_their_wait_in_redis(
+        redis_url, model_dir, tmp_path):
+    """The prefill queue's rule (``scheduling_policy`` srpt, A = 200 tok/s) on a real queue: entries XADDed in arrival
+    order (FIFO would prefill them so) come out of the engine in the aged order computed here from their prompt
+    lengths and the router's arrival times that travel in the entries: the old short prompt, the two short ones
+    that arrived within (48 - 16) / A = 0.16 s after the long one, the long one, then the short one that arrived
+    0.2 s after it and so may not overtake it (the starvation bound). One 16-token step budget and one sequence
+    at a time make each step prefill exactly one request (or one chunk of the long one)."""
+    from pdserve.shared.protocol.sampling_params import SamplingParams as SP
+
+    t0 = time.time()
+    queued = [("old", 16, t0 - 1.0), ("long", 48, t0), ("s1", 16, t0 + 0.1), ("s2", 16, t0 + 0.15),
+              ("late", 16, t0 + 0.2)]
+    aging = 200.0
+    oracle = [rid for rid, n, at in sorted(queued, key=lambda q: q[1] - aging * (t0 + 10 - q[2]))]
+    assert oracle == ["old", "s1", "s2", "long", "late"] and oracle != [q[0] for q in queued]
+    settings = PrefillSettings(redis_url=redis_url, pod_id="prefill-srpt", kv_cache_memory="8MiB",
+                               model=make_tiny_llama(tmp_path, model_dir, max_position_embeddings=128),
+                               max_model_len=128, enable_kv_events=False, max_num_batched_tokens=16,
+                               max_num_seqs=64, srpt_aging_tokens_per_s=aging,
+                               registry_url=f"http://127.0.0.1:{free_port()}")
+    order: list[str] = []
+
+    async def main():
+        worker = PrefillWorker(settings)
+        worker.http_port = 8002
+        handle = worker.handle_outputs
+
+        async def record(outputs, exported):  # the order first tokens come out of the engine
+            order.extend(o.request_id.removeprefix("cmpl-").removesuffix("-0") for o in outputs)
+            await handle(outputs, exported)
+        worker.handle_outputs = record
+        for i, (rid, n, at) in enumerate(queued):  # distinct tokens: no prefix-cache hit shortens one
+            req = PrefillRequest(f"cmpl-{rid}-0", "m", [1000 + 64 * i + k for k in range(n)],
+                                 SP(max_tokens=2, temperature=0.0), "decode-0", "127.0.0.1", 9, arrival_time=at)
+            await worker.redis.xadd(keys.PREFILL_STREAM, req.encode())
+        await worker.start()
+        try:
+            deadline = time.monotonic() + 120
+            while len(order) < len(queued) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        finally:
+            await worker.stop()
+
+    asyncio.run(main())
+    assert order == oracle

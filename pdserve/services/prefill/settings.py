@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from pdserve.shared.worker.settings import WorkerSettings
@@ -42,9 +44,20 @@ class PrefillSettings(WorkerSettings):
     # of the default model in bf16 at 1 thread on a 2-core AVX2 host) and the burst's TTFT p50.
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step (the prefill chunk).")
 
+    # The order waiting prompts are prefilled in: srpt = shortest remaining prefill first, aged by
+    # srpt_aging_tokens_per_s per second waited (so a short prompt never waits behind a long one that came just
+    # before it, and an S-token prompt waits at most (S - 1) / A s longer than under FIFO: docs/routing.md
+    # "The prefill queue"); fcfs = arrival order; priority = the request's priority, then arrival.
+    scheduling_policy: Literal["srpt", "fcfs", "priority"] = Field("srpt", description=(
+        "Order of waiting prompts: srpt (shortest remaining prefill, aged) | fcfs | priority."))
+    srpt_aging_tokens_per_s: float = Field(200.0, ge=0, description=(
+        "srpt: tokens a waiting prompt's rank drops per second waited (its starvation bound is (S-1)/A s)."))
+
     def engine_config(self):
         # A prefill pod runs prefill steps only (every request parks after its first token), so decode-batch CUDA
         # graphs would cost start-up time and GPU memory for nothing: always eager here.
         config = super().engine_config()
         config.enforce_eager = True
+        config.scheduling_policy = self.scheduling_policy
+        config.srpt_aging_tokens_per_s = self.srpt_aging_tokens_per_s
         return config

@@ -74,8 +74,11 @@ class Migrator:
             return False
         try:
             resp = await probe(self.http, route.pod_health_url)
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            # Connected but no answer: the process lives and does not run (SIGSTOP, stuck); refused: it is gone.
+            route.pod_stopped = isinstance(exc, httpx.ReadTimeout)
             return False
+        route.pod_stopped = False
         try:
             started_at = resp.json().get("started_at")
         except (ValueError, AttributeError):
@@ -118,7 +121,19 @@ class Migrator:
                               headers={"Retry-After": "1"})
         sent = len(route.token_ids)
         ids = list(route.prompt_token_ids) + list(route.token_ids)  # all of it needs KV on the new pod
-        placement = await self.dispatcher.place(len(ids), ids, route.cache_salt)  # 503 when no decode pod is left
+        try:
+            placement = await self.dispatcher.place(len(ids), ids, route.cache_salt)  # 503: no decode pod is left
+        except OpenAIError as exc:
+            if not (exc.status == 503 and check_pod and route.pod_stopped):
+                raise
+            # Its pod is stopped, not gone, and no other can take the request: wait for the pod, as for one that
+            # restarts, within the request's own bound (--request-timeout-s without output: 504).
+            if not route.pod_wait_logged:
+                route.pod_wait_logged = True
+                logger.warning("request %s: decode pod %s accepts connections but does not answer (stopped?) and no "
+                               "other decode pod is available (%s); waiting for it", route.request_id, route.pod_id,
+                               exc.message)
+            return False
         if unreachable and placement.pod.pod_id == route.pod_id:
             raise OpenAIError(503, f"The decode pod is unreachable and no other decode pod is available "
                                    f"({reason.removeprefix('worker error: ')})", headers={"Retry-After": "1"})
@@ -143,6 +158,7 @@ class Migrator:
         route.pod_health_url = health_url(placement.pod)
         route.queue_stream, route.queue_entry, route.queued_at, route.vanished = stream, entry, time.monotonic(), False
         route.pod_started_at = getattr(placement.pod, "started_at", None)
+        route.pod_stopped = route.pod_wait_logged = False
         tracing.event(getattr(self.job, "span", None), "migration", {
             "pdserve.from_pod": old_pod, "pdserve.to_pod": placement.pod.pod_id, "pdserve.reason": reason,
             "gen_ai.usage.output_tokens": sent})

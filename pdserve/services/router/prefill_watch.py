@@ -10,8 +10,10 @@ queue entry (``ChoiceRoute.queue_stream``/``queue_entry``). Its answer:
     entries nobody reclaimed yet) -> a reason: the relay moves the request (re-placed under a new id; the old one
     is aborted, so a worker that wakes up cannot write into the client's stream);
   * entry still in the stream, not delivered: waiting for a worker -> wait, unless it is the prefill queue and
-    no prefill pod has been alive for ``stall_s`` -> 503 ``OpenAIError`` (a long prompt never falls back to a
-    decode pod's local prefill, see ``dispatch.py``);
+    no prefill pod is alive (all stopped or gone): a prompt short enough for a decode pod's local prefill (the
+    placement's no-prefill-pod rule) -> a reason: the relay moves it there at once; a longer one -> 503
+    ``OpenAIError`` once it has waited ``stall_s`` (a long prompt never falls back to a decode pod's local
+    prefill, see ``placement.py``);
   * entry gone: handed over (or ended) -- then the decode pod holds the request (``GET /v1/requests/{id}``), and
     the watch is done with it -- or lost: taken by a pod that then died (the usual cause) or with Redis's data
     (restarted empty, FLUSHALL) -> a reason naming the likelier of the two: move it.
@@ -70,10 +72,8 @@ class PrefillWatch:
             consumer = consumer.decode() if isinstance(consumer, bytes) else consumer
             return f"prefill stalled: worker {consumer} has not touched it for {idle_s:.0f} s"
         if await self.redis.xrange(stream, entry, entry, count=1):
-            if stream == keys.PREFILL_STREAM and time.monotonic() - route.queued_at >= self.stall_s \
-                    and not await self._prefill_pods():
-                raise OpenAIError(503, f"No prefill pod took the request within {self.stall_s:g} s; retry later",
-                                  headers={"Retry-After": str(self.retry_after_s)})
+            if stream == keys.PREFILL_STREAM and not await self._prefill_pods():
+                return self._no_prefill_pod(route)
             return None  # waiting in the queue
         held = await self._decode_pod_holds(route)
         if held is None:
@@ -87,6 +87,19 @@ class PrefillWatch:
             route.vanished = True
             return None
         return f"its queue entry and its state vanished ({await self._vanished_cause(route, group_gone)})"
+
+    def _no_prefill_pod(self, route: Any) -> str | None:
+        """A request waiting in the prefill queue while no prefill pod is alive (all stopped or gone: the registry
+        dropped them): one short enough for a decode pod's local prefill (the placement's no-prefill-pod rule,
+        ``--local-prefill-fallback-max-tokens``) moves there at once, as a new request of its size would go; a
+        longer one keeps waiting for a prefill pod, and gets 503 once it has waited ``stall_s``."""
+        tokens = len(route.prompt_token_ids) + len(route.token_ids)
+        if tokens <= int(getattr(self.dispatcher, "fallback_max_tokens", 0) or 0):
+            return f"no prefill pod is alive: {tokens} tokens fit a decode pod's local prefill"
+        if time.monotonic() - route.queued_at >= self.stall_s:
+            raise OpenAIError(503, f"No prefill pod took the request within {self.stall_s:g} s; retry later",
+                              headers={"Retry-After": str(self.retry_after_s)})
+        return None
 
     async def _vanished_cause(self, route: Any, group_gone: bool) -> str:
         """The likely cause of a vanished request, for the log line an operator reads. Entries leave a queue when

@@ -65,6 +65,8 @@ class ChoiceRoute:
     queue_entry: str = ""  # its entry id there
     queued_at: float = field(default_factory=time.monotonic)
     vanished: bool = False  # the watch found its entry and state gone once (prefill_watch.py)
+    pod_stopped: bool = False  # its decode pod's /health took the connection and did not answer (migration.py)
+    pod_wait_logged: bool = False  # the migrator said once that it waits for that pod
     last_event: float = field(default_factory=time.monotonic)
     last_check: float = field(default_factory=time.monotonic)
     done: bool = False

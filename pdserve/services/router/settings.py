@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 
 from pdserve.shared.settings import ServiceSettings
+from pdserve.shared.settings import load_settings as load
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -190,11 +191,4 @@ def keepalive_bound_error(request_timeout_s: float, output_keepalive_s: float) -
 
 def load_settings(**flags) -> RouterSettings:
     """``RouterSettings(**flags)`` (and ``PDSERVE_*``); raises ``click.ClickException`` with one line per bad field."""
-    import click
-
-    try:
-        return RouterSettings(**flags)
-    except ValidationError as e:
-        lines = [str(err["ctx"]["error"]) if err["type"] == "value_error" and "ctx" in err
-                 else f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
-        raise click.ClickException("; ".join(lines)) from None
+    return load(RouterSettings, **flags)

@@ -36,7 +36,9 @@ class EngineConfig:
         (decode tokens + prefill chunks), vLLM's chunked-prefill budget.
     enable_prefix_caching: automatic prefix caching by block hash (on by default, as vLLM v1).
     preemption_mode: ``recompute`` (default) or ``swap`` (to a CPU block pool of ``swap_space_bytes``).
-    scheduling_policy: ``fcfs`` or ``priority`` (lower value first, then arrival; vLLM's convention).
+    scheduling_policy: ``fcfs`` or ``priority`` (lower value first, then arrival; vLLM's convention), or ``srpt``:
+        shortest remaining prefill first, aged by ``srpt_aging_tokens_per_s`` tokens per second waited
+        (``scheduler.SRPTQueue``, which states its starvation bound; prefill pods' default).
     attention_backend: ``auto`` | ``cpu`` | ``torch`` | ``triton`` (``pdserve/kernels/backend.py``).
     tensor_parallel_size: ranks (processes) the model's heads are split over, Megatron-style; 1 runs in-process
         (``pdserve/shared/engine/tp_executor.py``).
@@ -71,6 +73,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_bytes: int | str = 256 * 1024**2
     scheduling_policy: str = "fcfs"
+    srpt_aging_tokens_per_s: float = 200.0
     attention_backend: str = "auto"
     device: str = "cpu"
     seed: int = 0
@@ -98,7 +101,9 @@ class EngineConfig:
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
             ("preemption_mode", self.preemption_mode in ("recompute", "swap"), "'recompute' or 'swap'"),
-            ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority"), "'fcfs' or 'priority'"),
+            ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority", "srpt"),
+             "'fcfs', 'priority' or 'srpt'"),
+            ("srpt_aging_tokens_per_s", self.srpt_aging_tokens_per_s >= 0, ">= 0"),
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
              "float32, bfloat16, float16 or auto"),
             ("attention_backend", self.attention_backend in ("auto", "cpu", "torch", "triton"), "auto, cpu, torch or triton"),

@@ -6,6 +6,7 @@ when the budget is short) as many tokens as the budget ``max_num_batched_tokens`
 ``max_num_seqs`` requests. When blocks run out, the scheduler preempts a victim chosen by policy
 (``fcfs``: the latest arrival; ``priority``: the largest ``(priority, arrival_time)``) by recompute
 (free its blocks; it rejoins the front of the queue) or by swap (copy its blocks to the CPU pool).
+``srpt`` orders the waiting queue by shortest remaining prefill with aging (``SRPTQueue``: prefill pods).
 
 Speculative decoding is the same rule: a decoding request with k draft tokens asks for k + 1 slots (the
 budget counts the drafts; a short budget or a short pool trims them first); the engine rolls
@@ -131,13 +132,63 @@ class PriorityQueue(WaitingQueue):
         heapq.heapify(self._heap)
 
 
-def create_waiting_queue(policy: str) -> WaitingQueue:
-    """``fcfs`` or ``priority``; raises ``ValueError`` otherwise."""
+class SRPTQueue(WaitingQueue):
+    """Shortest remaining prefill first, with aging: a request's rank is ``remaining prompt tokens - A x seconds
+    waited`` (``A`` = ``aging_tokens_per_s``), lower first, after the request's own ``priority``.
+
+    Every waiting request ages at the same rate, so the order between two of them never changes while they wait:
+    ``remaining - A (now - arrival)`` ranks as the fixed key ``remaining + A x arrival``, and a heap on it stays
+    valid. Starvation bound: a request with S tokens to prefill that arrived at t is overtaken only by requests
+    that arrived before t + (S - 1) / A (a later one has a key of at least 1 + A x (t + (S - 1) / A) > S + A t);
+    so it waits at most (S - 1) / A seconds longer than under FIFO, plus the work of those that arrived in that
+    window and overtook it. A = 0 is plain shortest-first (no bound); a large A approaches FCFS.
+    Remaining tokens are counted when the request joins (prompt and resumed output, less tokens computed).
+    The rule is shortest-remaining-processing-time (Schrage, 1968) with linear aging as in Linux's and
+    SGLang's schedulers' fairness terms; arrival times are the requests' own (a queue entry's router time
+    counts its wait in Redis as well)."""
+
+    def __init__(self, aging_tokens_per_s: float) -> None:
+        assert aging_tokens_per_s >= 0
+        self.aging = aging_tokens_per_s
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def key(self, request: Request) -> float:
+        """The fixed rank of ``request``: remaining prompt tokens + A x arrival time (lower first)."""
+        return (request.num_tokens - request.num_computed_tokens) + self.aging * request.arrival_time
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[-1] for entry in sorted(self._heap))
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, self.key(request), next(self._counter), request))
+
+    def add_front(self, request: Request) -> None:
+        self.add(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [entry for entry in self._heap if entry[-1] is not request]
+        heapq.heapify(self._heap)
+
+
+def create_waiting_queue(policy: str, aging_tokens_per_s: float = 200.0) -> WaitingQueue:
+    """``fcfs``, ``priority`` or ``srpt`` (aged at ``aging_tokens_per_s``); raises ``ValueError`` otherwise."""
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r}")
+    if policy == "srpt":
+        return SRPTQueue(aging_tokens_per_s)
+    raise ValueError(f"unknown scheduling policy {policy!r}: fcfs, priority or srpt")
 
 
 class Scheduler:
@@ -150,6 +201,7 @@ class Scheduler:
         policy: str = "fcfs",
         preemption_mode: str = "recompute",
         swap_manager: SwapManager | None = None,
+        aging_tokens_per_s: float = 200.0,
     ) -> None:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
@@ -158,7 +210,7 @@ class Scheduler:
         self.policy = policy
         self.preemption_mode = preemption_mode
         self.swap = swap_manager
-        self.waiting = create_waiting_queue(policy)
+        self.waiting = create_waiting_queue(policy, aging_tokens_per_s)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0

@@ -6,14 +6,14 @@ import asyncio
 
 from pdserve.shared import tracing
 from pdserve.shared.logs import setup_logging
-from pdserve.shared.settings import given
+from pdserve.shared.settings import given, load_settings
 
 
 def run_worker(settings_cls, worker_cls, flags: dict) -> None:
     """Build the settings from the given flags (env fills the rest), set up logging, serve until stopped."""
     from pdserve.shared.worker.base import serve
 
-    settings = settings_cls(**given(flags))
+    settings = load_settings(settings_cls, **given(flags))  # a bad value: one clear line, no traceback
     setup_logging(settings.log_level)
     role = worker_cls.__name__.removesuffix("Worker").lower()  # prefill, decode
     # on only when an OTLP endpoint is set (docs/observability.md "Tracing")
