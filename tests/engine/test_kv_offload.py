@@ -165,3 +165,45 @@ def test_a_restarted_engine_indexes_its_disk_tier_and_loads_from_it(llm, prompt_
     _assert_same(got, fresh, device_hit)
     assert restarted.get_stats()["kv_offload_disk_hit_tokens"] == 64
 
+
+
+def test_a_request_loading_from_a_slow_disk_waits_while_the_batch_keeps_decoding(llm, prompt_of, tmp_path,
+                                                                                 monkeypatch):
+    """Loads overlap the step: a disk tier held back by a gate (a hook on its file read) keeps one request out of
+    the batch while another decodes a token each step; once the gate opens, the loaded prefix gives the fresh
+    output."""
+    import threading
+
+    offload = _install(llm, tmp_path, cpu_gib=0)
+    prompt = prompt_of(70)
+    fresh, device_hit = _fresh_and_device_hit(llm, prompt)
+    _evict_from_pool(llm, prompt)
+    entered, gate = threading.Event(), threading.Event()
+    read = offload.disk.read
+
+    def slow_read(block_hash):
+        entered.set()
+        assert gate.wait(60), "the test never opened the gate"
+        return read(block_hash)
+
+    monkeypatch.setattr(offload.disk, "read", slow_read)
+    engine = llm.llm_engine
+    engine.add_request("runner", prompt_of(20)[::-1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()  # the runner's prefill
+    engine.add_request("loader", prompt, GREEDY)
+    runner_tokens = []
+    for _ in range(5):
+        for out in engine.step():
+            assert out.request_id == "runner", "the loading request ran before its blocks arrived"
+            runner_tokens.append(len(out.outputs[0].token_ids))
+    assert entered.is_set() and runner_tokens == [2, 3, 4, 5, 6]  # one token per step, loads notwithstanding
+    assert [r.request_id for r in engine.scheduler.running] == ["runner"]
+    gate.set()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    got = outputs["loader"].outputs[0]
+    _assert_same((got.token_ids, [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)]), fresh, device_hit)
+    assert llm.get_stats()["kv_offload_disk_hit_tokens"] == 64
+    assert engine.kv_manager.loads.num_loads == 1 and not engine.kv_manager.loads
