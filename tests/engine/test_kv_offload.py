@@ -13,6 +13,7 @@ import dataclasses
 import os
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.shared.engine.kv_offload import build_offload
@@ -293,3 +294,28 @@ def test_the_hand_over_sends_only_the_blocks_the_decode_pod_holds_in_no_tier(llm
             outputs[out.request_id] = out
     got = outputs["d"].outputs[0].token_ids
     assert [first, *got[1:]] == fresh[0] and got == device_hit[0]
+
+
+def test_a_prefill_pods_shared_prompt_comes_back_from_its_tier_not_recomputed(llm, prompt_of, tmp_path):
+    """A prefill-only request (the prefill pod's path) whose system prompt the pool evicted loads it back from the
+    CPU tier: only the uncached tail is computed; the KV it exports is bit-identical to the first export in the
+    full blocks and within float noise (another prefill split) in the 6 computed slots of the partial one."""
+    _install(llm, None, cpu_gib=0.01)
+    engine = llm.llm_engine
+    prompt = prompt_of(70)
+
+    def prefill(rid):
+        engine.add_request(rid, prompt, GREEDY, prefill_only=True)
+        while rid not in engine.prefill_export:
+            engine.step()
+        return engine.take_exports()[rid]
+
+    hashes, first = prefill("p1")
+    _evict_from_pool(llm, prompt)
+    before = llm.get_stats()
+    again_hashes, again = prefill("p2")
+    stats = llm.get_stats()
+    assert again_hashes == hashes and torch.equal(again[:4], first[:4])
+    assert torch.allclose(again[4, :, :, :6], first[4, :, :, :6], atol=1e-4)
+    assert stats["kv_offload_cpu_hit_tokens"] - before["kv_offload_cpu_hit_tokens"] == 64
+    assert stats["prompt_tokens_computed"] - before["prompt_tokens_computed"] == 6
