@@ -78,9 +78,13 @@ class KVCacheManager:
         without tiers; a request whose load finished goes on to ``get_computed_blocks``."""
         if self.loads is None or not self.enable_caching or request.prompt_logprobs is not None:
             return False
-        self.loads.reap()
         hashes = request.update_block_hashes(self.block_size)
         return self.loads.is_waiting(request.request_id, hashes[: (request.num_tokens - 1) // self.block_size])
+
+    def reap_loads(self) -> None:
+        """Release the blocks of finished loads whose requests are gone (aborted while loading)."""
+        if self.loads is not None:
+            self.loads.reap()
 
     def get_computed_blocks(self, request: Request, load_from_tiers: bool = True) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request's full blocks, and how many tokens it covers.

@@ -194,6 +194,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.reap_loads()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
