@@ -140,6 +140,11 @@ schema = {
             "preemptionMode": {"enum": ["recompute", "swap"]},
             "kvCacheMemory": {"anyOf": [{"type": "integer", "minimum": 1},
                                          {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|B)?$"}]},
+            # KV offloading tiers (GiB; docs/engine.md "KV offloading tiers")
+            "kvOffloading": obj({"cpuSize": {"type": "number", "minimum": 0},
+                                 "disk": obj({"enabled": B, "size": {"type": "number", "exclusiveMinimum": 0},
+                                              "mountPath": {"type": "string", "pattern": "^/"},
+                                              "existingClaim": S})}),
         }, required=["blockSize", "maxModelLen", "maxNumSeqs", "maxNumBatchedTokens"]),
         "routing": obj({"localPrefillThreshold": I0, "pdPolicy": {"enum": ["queue-aware", "threshold"]},
                         "ttftSloMs": {"type": "number", "minimum": 0}, "tpotSloMs": {"type": "number", "minimum": 0},

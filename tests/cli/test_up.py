@@ -391,6 +391,31 @@ def test_plan_forwards_engine_flags_and_gives_every_worker_its_own_ports(tmp_pat
     assert {c.env["PDSERVE_REGISTRY_TOKEN"] for c in plan(opts, tmp_path)} == {TOKEN}
 
 
+def test_kv_offloading_flags_reach_the_prefill_pods_engine_too(tmp_path, monkeypatch):
+    """The prefill pod's own prefix cache uses the tiers (a long shared system prompt is computed once per pod, not
+    once per eviction): `pdserve up --kv-offloading-*` reaches prefill and decode children alike, and each one's
+    settings give its engine a CPU tier and a disk tier in a directory of its own."""
+    from click.testing import CliRunner
+
+    from pdserve.services.decode.settings import DecodeSettings
+    from pdserve.services.prefill.settings import PrefillSettings
+    from pdserve.services.up import command
+
+    seen = {}
+    monkeypatch.setattr("pdserve.services.up.run", lambda opts: seen.setdefault("opts", opts) and 0)
+    result = CliRunner().invoke(command, ["--kv-offloading-size", "2", "--kv-offloading-disk-path", str(tmp_path),
+                                          "--kv-offloading-disk-size", "3", "--redis-url", "redis://r:6379/0"])
+    assert result.exit_code == 0, result.output
+    children = {c.name: c for c in plan(seen["opts"], tmp_path / "logs")}
+    for name, settings_class in (("prefill-0", PrefillSettings), ("decode-0", DecodeSettings)):
+        for key, value in children[name].env.items():
+            if key.startswith("PDSERVE_"):
+                monkeypatch.setenv(key, value)
+        config = settings_class().engine_config()
+        assert (config.kv_offloading_size, config.kv_offloading_disk_size) == (2.0, 3.0)
+        assert config.kv_offloading_disk_path == os.path.join(str(tmp_path), name)
+
+
 def test_workers_split_the_cores_into_torch_threads_and_pinned_tiers_get_their_own(tmp_path, monkeypatch):
     import pdserve.services.up as up
 

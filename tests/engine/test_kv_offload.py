@@ -13,6 +13,7 @@ import dataclasses
 import os
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.shared.engine.kv_offload import build_offload
@@ -165,3 +166,156 @@ def test_a_restarted_engine_indexes_its_disk_tier_and_loads_from_it(llm, prompt_
     _assert_same(got, fresh, device_hit)
     assert restarted.get_stats()["kv_offload_disk_hit_tokens"] == 64
 
+
+
+def test_a_request_loading_from_a_slow_disk_waits_while_the_batch_keeps_decoding(llm, prompt_of, tmp_path,
+                                                                                 monkeypatch):
+    """Loads overlap the step: a disk tier held back by a gate (a hook on its file read) keeps one request out of
+    the batch while another decodes a token each step; once the gate opens, the loaded prefix gives the fresh
+    output."""
+    import threading
+
+    offload = _install(llm, tmp_path, cpu_gib=0)
+    prompt = prompt_of(70)
+    fresh, device_hit = _fresh_and_device_hit(llm, prompt)
+    _evict_from_pool(llm, prompt)
+    entered, gate = threading.Event(), threading.Event()
+    read = offload.disk.read
+
+    def slow_read(block_hash):
+        entered.set()
+        assert gate.wait(60), "the test never opened the gate"
+        return read(block_hash)
+
+    monkeypatch.setattr(offload.disk, "read", slow_read)
+    engine = llm.llm_engine
+    engine.add_request("runner", prompt_of(20)[::-1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()  # the runner's prefill
+    engine.add_request("loader", prompt, GREEDY)
+    runner_tokens = []
+    for _ in range(5):
+        for out in engine.step():
+            assert out.request_id == "runner", "the loading request ran before its blocks arrived"
+            runner_tokens.append(len(out.outputs[0].token_ids))
+    assert entered.is_set() and runner_tokens == [2, 3, 4, 5, 6]  # one token per step, loads notwithstanding
+    assert [r.request_id for r in engine.scheduler.running] == ["runner"]
+    gate.set()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    got = outputs["loader"].outputs[0]
+    _assert_same((got.token_ids, [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)]), fresh, device_hit)
+    assert llm.get_stats()["kv_offload_disk_hit_tokens"] == 64
+    assert engine.kv_manager.loads.num_loads == 1 and not engine.kv_manager.loads
+
+
+class _EngineReceiver:
+    """The decode pod's side of the KV connector over a real engine (what ``DecodeReceiver`` does, minus the
+    worker): reserve, write the blocks, commit, release."""
+
+    def __init__(self, engine, layout) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.received_blocks = 0
+
+    async def reserve(self, msg):
+        from pdserve.shared.transport import ReserveReply
+
+        result = self.engine.reserve(msg.request_id, msg.prompt_token_ids, msg.cache_salt)
+        return ReserveReply(ok=result is not None, num_cached_blocks=result[1] if result else 0)
+
+    async def receive_blocks(self, request_id, first_block_index, blocks):
+        self.engine.write_kv(request_id, first_block_index, blocks)
+        self.received_blocks += blocks.shape[0]
+
+    async def commit(self, msg):
+        from pdserve.shared.transport import CommitReply
+
+        self.engine.commit(msg.request_id, msg.first_token_id, msg.sampling_params, prompt=None)
+        return CommitReply(ok=True)
+
+    async def release(self, request_id):
+        self.engine.release_reservation(request_id)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_the_hand_over_sends_only_the_blocks_the_decode_pod_holds_in_no_tier(llm, prompt_of, tmp_path, tier):
+    """Prefill → decode through the loopback connector and the prefill pod's own ``KVHandover``: the decode pod's
+    reservation finds the prompt's first 4 blocks in its ``tier`` (loading them back), so only the 5th crosses
+    the wire, and the decode output equals the prompt computed fresh."""
+    import asyncio
+
+    from pdserve.services.prefill.handover import KVHandover
+    from pdserve.shared.protocol.messages import PrefillRequest
+    from pdserve.shared.transport.connector import KVConnectorFactory
+    from pdserve.shared.transport.layout import KVLayout
+    from pdserve.shared.transport.pool import KVClientPool
+    from pdserve.shared.worker.metrics import WorkerMetrics
+
+    offload = _install(llm, tmp_path if tier == "disk" else None, cpu_gib=0.01 if tier == "cpu" else 0)
+    prompt = prompt_of(70)  # 5 blocks of KV: 4 full ones (hashed, shareable) and a partial one
+    fresh, device_hit = _fresh_and_device_hit(llm, prompt)
+    engine = llm.llm_engine
+    engine.add_request("p", prompt, GREEDY, prefill_only=True)  # the prefill pod's side: a device hit, parked
+    first = engine.step()[0].outputs[0].token_ids[0]
+    hashes, kv = engine.take_exports()["p"]
+    _evict_from_pool(llm, prompt)
+    assert [offload.tier_of(bytes.fromhex(h)) for h in hashes] == [tier] * 4
+
+    spec = engine.kv_spec
+    layout = KVLayout(spec.block_size, "float32", spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                      "smollm2-135m-instruct")
+    connector = KVConnectorFactory.create_connector('{"kv_connector": "loopback"}')
+    receiver = _EngineReceiver(engine, layout)
+    metrics = WorkerMetrics("prefill", f"prefill-{tier}")
+
+    async def hand_over():
+        server = connector.receiver_server(receiver, "s3cret-0123456789", "127.0.0.1", 0)
+        await server.start()
+        senders = KVClientPool(layout, "s3cret-0123456789", client_class=connector.client_class)
+        try:
+            handover = KVHandover(connector, senders, metrics, lambda rid: True)
+            req = PrefillRequest("d", "smollm2-135m-instruct", prompt, GREEDY, "decode-0", "127.0.0.1",
+                                 connector.pod_fields(server)["kv_port"], arrival_time=0.0)
+            return await handover.hand_over(req, first, None, hashes, kv)
+        finally:
+            await senders.close()
+            await server.stop()
+
+    before = llm.get_stats()
+    assert asyncio.run(hand_over())
+    assert receiver.received_blocks == 1 and metrics.kv_transfer_blocks_skipped._value.get() == 4
+    stats = llm.get_stats()
+    assert stats[f"kv_offload_{tier}_hit_tokens"] - before[f"kv_offload_{tier}_hit_tokens"] == 64
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    got = outputs["d"].outputs[0].token_ids
+    assert [first, *got[1:]] == fresh[0] and got == device_hit[0]
+
+
+def test_a_prefill_pods_shared_prompt_comes_back_from_its_tier_not_recomputed(llm, prompt_of, tmp_path):
+    """A prefill-only request (the prefill pod's path) whose system prompt the pool evicted loads it back from the
+    CPU tier: only the uncached tail is computed; the KV it exports is bit-identical to the first export in the
+    full blocks and within float noise (another prefill split) in the 6 computed slots of the partial one."""
+    _install(llm, None, cpu_gib=0.01)
+    engine = llm.llm_engine
+    prompt = prompt_of(70)
+
+    def prefill(rid):
+        engine.add_request(rid, prompt, GREEDY, prefill_only=True)
+        while rid not in engine.prefill_export:
+            engine.step()
+        return engine.take_exports()[rid]
+
+    hashes, first = prefill("p1")
+    _evict_from_pool(llm, prompt)
+    before = llm.get_stats()
+    again_hashes, again = prefill("p2")
+    stats = llm.get_stats()
+    assert again_hashes == hashes and torch.equal(again[:4], first[:4])
+    assert torch.allclose(again[4, :, :, :6], first[4, :, :, :6], atol=1e-4)
+    assert stats["kv_offload_cpu_hit_tokens"] - before["kv_offload_cpu_hit_tokens"] == 64
+    assert stats["prompt_tokens_computed"] - before["prompt_tokens_computed"] == 6

@@ -112,3 +112,36 @@ def test_decode_tier_gets_the_speculative_config(chart, monkeypatch):
     config = WorkerSettings().engine_config().speculative_config
     assert config == SpeculativeConfig.from_dict(spec)
     assert "PDSERVE_SPECULATIVE_CONFIG" not in pod_environment(render_docs(chart, {}), "decode")
+
+
+@pytest.mark.parametrize("claim", ["", "kv-tier-claim"])
+def test_kv_offloading_values_give_prefill_and_decode_engines_their_tiers_and_a_volume(chart, monkeypatch, claim):
+    """engine.kvOffloading reaches both worker tiers' engines (CPU GiB, disk path and GiB; each pod's own directory
+    under the mount) and mounts the disk tier's volume there: an emptyDir sized to the tier, or the claim given."""
+    from pdserve.services.decode.settings import DecodeSettings
+    from pdserve.services.prefill.settings import PrefillSettings
+
+    values = {"engine": {"kvOffloading": {"cpuSize": 4, "disk": {"enabled": True, "size": 2,
+                                                                  "existingClaim": claim}}}}
+    docs = render_docs(chart, values)
+    for tier, settings_class in (("prefill", PrefillSettings), ("decode", DecodeSettings)):
+        for k, v in pod_environment(docs, tier).items():
+            monkeypatch.setenv(k, v)
+        config = settings_class().engine_config()
+        assert (config.kv_offloading_size, config.kv_offloading_disk_size) == (4.0, 2.0)
+        assert config.kv_offloading_disk_path == f"/var/cache/pdserve-kv/{FULL}-{tier}-abc12"
+        spec = pod_template(docs, f"{FULL}-{tier}")["spec"]
+        (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "kv-offload"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "kv-offload"]
+        assert mount["mountPath"] == "/var/cache/pdserve-kv"
+        assert volume == ({"name": "kv-offload", "persistentVolumeClaim": {"claimName": claim}} if claim else
+                          {"name": "kv-offload", "emptyDir": {"sizeLimit": "2112Mi"}})
+    for tier in ("router", "registry"):
+        assert "kv-offload" not in {v["name"] for v in pod_template(docs, f"{FULL}-{tier}")["spec"]["volumes"]}
+
+
+def test_the_default_chart_has_no_kv_offloading_tiers(chart):
+    docs = render_docs(chart)
+    env = pod_environment(docs, "decode")
+    assert not {"PDSERVE_KV_OFFLOADING_SIZE", "PDSERVE_KV_OFFLOADING_DISK_PATH"} & set(env)
+    assert "kv-offload" not in {v["name"] for v in pod_template(docs, f"{FULL}-decode")["spec"]["volumes"]}

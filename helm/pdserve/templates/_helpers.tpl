@@ -312,6 +312,10 @@ spec:
           mountPath: {{ $root.Values.model.volume.mountPath }}
           readOnly: true
         {{- end }}
+        {{- if and (has .component (list "prefill" "decode")) $root.Values.engine.kvOffloading.disk.enabled }}
+        - name: kv-offload
+          mountPath: {{ $root.Values.engine.kvOffloading.disk.mountPath }}
+        {{- end }}
   volumes:
     - name: tmp
       emptyDir: {}
@@ -328,6 +332,18 @@ spec:
       persistentVolumeClaim:
         claimName: {{ required "model.volume.existingClaim is required when model.volume.enabled" $root.Values.model.volume.existingClaim }}
         readOnly: true
+    {{- end }}
+    {{- with $root.Values.engine.kvOffloading.disk }}
+    {{- if and (has $.component (list "prefill" "decode")) .enabled }}
+    - name: kv-offload
+      {{- if .existingClaim }}
+      persistentVolumeClaim:
+        claimName: {{ .existingClaim }}
+      {{- else }}
+      emptyDir:
+        sizeLimit: {{ printf "%dMi" (add (mulf .size 1024 | int) 64) }}
+      {{- end }}
+    {{- end }}
     {{- end }}
   {{- with $cfg.nodeSelector }}
   nodeSelector:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.shared.protocol.block_hash import BlockHash
 from pdserve.shared.engine.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
+from pdserve.shared.engine.kv_load import PendingLoads
 from pdserve.shared.engine.request import Request
 
 
@@ -63,33 +64,50 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}  # leading blocks of a request registered in the cache
         self.prefix_cache_stats = PrefixCacheStats()
         self.offload = None  # kv_offload.KVOffloadManager: tiers below the pool (``set_offload``)
+        self.loads: PendingLoads | None = None  # loads from the tiers that overlap the step (kv_load.py)
 
     def set_offload(self, offload) -> None:
         """Write blocks the pool evicts down ``offload``'s tiers and load prefix hits back from them."""
         self.offload = offload
         pool = self.block_pool
         pool.on_evict = offload.offload
+        self.loads = PendingLoads(pool, offload)
         if pool.enable_kv_events:
             offload.emit = lambda kind, hashes, medium: pool.kv_event_queue.append(
                 KVCacheEvent(kind, hashes, None, medium))
             offload.announce()
 
     # prefix cache
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def is_loading(self, request: Request) -> bool:
+        """Whether ``request`` waits out of this step for prefix blocks a loader thread is bringing back from an
+        offloading tier (a load starts here when a tier holds blocks of its prefix that the pool lacks). False
+        without tiers; a request whose load finished goes on to ``get_computed_blocks``."""
+        if self.loads is None or not self.enable_caching or request.prompt_logprobs is not None:
+            return False
+        hashes = request.update_block_hashes(self.block_size)
+        return self.loads.is_waiting(request.request_id, hashes[: (request.num_tokens - 1) // self.block_size])
+
+    def reap_loads(self) -> None:
+        """Release the blocks of finished loads whose requests are gone (aborted while loading)."""
+        if self.loads is not None:
+            self.loads.reap()
+
+    def get_computed_blocks(self, request: Request, load_from_tiers: bool = True) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request's full blocks, and how many tokens it covers.
 
         A prompt that is cached whole still recomputes its last token (its logits are needed), so
         the hit is at most ``num_tokens - 1`` tokens, rounded down to whole blocks. A request that computes
         ``prompt_logprobs`` gets no hit (vLLM's rule): a cached block holds KV, not the logits of its positions.
         The caller records the lookup (``record_prefix_cache_stats``) once the request got its blocks.
-        With offloading tiers, a block missing from the pool but held by a tier is loaded back into a new
-        device block now (before the step that reads it) and counts as a hit.
+        With offloading tiers and ``load_from_tiers``, a block missing from the pool but held by a tier is loaded
+        back into a new device block now (synchronously, before the step that reads it) and counts as a hit; the
+        scheduler loads through ``is_loading`` instead and passes False.
         """
         if not self.enable_caching or request.prompt_logprobs is not None:
             return [], 0
         hashes = request.update_block_hashes(self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        if self.offload is not None:
+        if self.offload is not None and load_from_tiers:
             blocks = self._get_computed_blocks_tiered(hashes[:max_hit_blocks])
             return blocks, len(blocks) * self.block_size
         blocks = []
@@ -193,6 +211,8 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (tails are evicted before heads)."""
+        if self.loads is not None:
+            self.loads.cancel(request.request_id)
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         skipped = self.num_skipped_blocks.pop(request.request_id, 0)  # already freed: null placeholders

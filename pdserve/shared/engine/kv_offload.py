@@ -5,7 +5,10 @@ down a tier instead of dropped: into the CPU tier, whose LRU victims go to the d
 dropped (vLLM's ``OffloadingConnector`` with its LRU manager; Dynamo's KV block manager: device, host, disk).
 Keys are block hashes, which chain ``cache_salt`` from the first block on (``protocol/block_hash.py``), so tenants
 never share a block in any tier. A prefix hit in a tier is loaded back into a freshly allocated device block
-before the step that reads it (``KVCacheManager.get_computed_blocks``): synchronous loads, the batch waits.
+before the step that reads it. In the scheduler the load runs on a loader thread (``start_loads``): the request
+waits out of the batch, pinning the device blocks it loads into, while the batch keeps stepping (vLLM's
+``WAITING_FOR_REMOTE_KVS``); a decode pod's reservation for a hand-over loads synchronously (the sender waits for
+its answer either way).
 Tiers are inclusive: a loaded block stays where it was, so evicting it again writes nothing.
 
 Disk files (one per block, ``<hash hex>.kv``): ``MAGIC``, a 4-byte little-endian header length, a JSON header
@@ -22,9 +25,11 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 import zlib
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -210,21 +215,36 @@ class DiskTier:
         """The block, or None when absent or bad (a bad file is counted, dropped and deleted)."""
         if block_hash not in self.files:
             return None
+        self.files.move_to_end(block_hash)
+        data = self.read(block_hash)
+        if data is None:
+            self.discard_bad(block_hash)
+        return data
+
+    def read(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """Read and verify one block file; touches no index state, so a loader thread may call it outside the
+        manager's lock. None when the file is missing, torn, foreign or fails its checksum."""
         try:
             with open(self._file(block_hash), "rb") as f:
                 header = self._read_header(f)
                 payload = f.read() if header is not None else b""
         except (OSError, ValueError):
-            header = None
-        if header is None or len(payload) != header["nbytes"] or f"{zlib.crc32(payload):08x}" != header["crc32"]:
-            self.stats.bad_files += 1
-            self.bytes_used -= self.files.pop(block_hash)
-            self._remove(block_hash)
-            self._update_gauges()
-            logger.warning("KV disk tier: skipped a bad block file %s", self._file(block_hash))
             return None
-        self.files.move_to_end(block_hash)
+        if header is None or len(payload) != header["nbytes"] or f"{zlib.crc32(payload):08x}" != header["crc32"]:
+            return None
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).reshape(self.shape)
+
+    def discard_bad(self, block_hash: BlockHash) -> bool:
+        """Count, unindex and delete a block whose file did not verify; False when it was gone already (evicted
+        while being read: not a bad file)."""
+        if block_hash not in self.files:
+            return False
+        self.stats.bad_files += 1
+        self.bytes_used -= self.files.pop(block_hash)
+        self._remove(block_hash)
+        self._update_gauges()
+        logger.warning("KV disk tier: skipped a bad block file %s", self._file(block_hash))
+        return True
 
     def hashes(self) -> list[BlockHash]:
         return list(self.files)
@@ -244,6 +264,9 @@ class KVOffloadManager:
         self.write_block = write_block
         self.block_tokens = block_tokens
         self.emit = None
+        # the tiers' indexes are shared by the engine thread (offload, lookups) and the loader thread (loads)
+        self._lock = threading.RLock()
+        self._loader: ThreadPoolExecutor | None = None
 
     def announce(self) -> None:
         """Emit ``stored`` for every block the tiers hold (a restarted pod re-announces its disk tier)."""
@@ -255,14 +278,19 @@ class KVOffloadManager:
             self.emit(kind, list(hashes), medium)
 
     def tier_of(self, block_hash: BlockHash) -> str | None:
-        if block_hash in self.cpu:
-            return "cpu"
-        if self.disk is not None and block_hash in self.disk:
-            return "disk"
-        return None
+        with self._lock:
+            if block_hash in self.cpu:
+                return "cpu"
+            if self.disk is not None and block_hash in self.disk:
+                return "disk"
+            return None
 
     def offload(self, block_hash: BlockHash, block_id: int) -> None:
         """Write a block the device pool is evicting down the tiers (its data is still in place)."""
+        with self._lock:
+            self._offload(block_hash, block_id)
+
+    def _offload(self, block_hash: BlockHash, block_id: int) -> None:
         if block_hash in self.cpu:
             self.cpu.blocks.move_to_end(block_hash)  # already offloaded (tiers are inclusive): refresh only
             return
@@ -294,32 +322,80 @@ class KVOffloadManager:
                 self._event("stored", [block_hash], "disk")
 
     def load(self, block_hash: BlockHash, block_id: int) -> str | None:
-        """Copy a block from the highest tier holding it into device block ``block_id``; returns the tier's
-        name, or None (nothing written) when no tier holds a good copy."""
+        """Copy a block from the highest tier holding it into device block ``block_id`` now; returns the tier's
+        name, or None (nothing written) when no tier holds a good copy. Engine thread only (it emits events)."""
+        tier, bad = self._load_one(block_hash, block_id)
+        if bad:
+            self.emit_removed_disk(block_hash)
+        return tier
+
+    def emit_removed_disk(self, block_hash: BlockHash) -> None:
+        """A bad file left the disk tier (the loader found it; events go out on the engine thread)."""
+        self._event("removed", [block_hash], "disk")
+
+    def _load_one(self, block_hash: BlockHash, block_id: int,
+                  cpu_copy: torch.Tensor | None = None) -> tuple[str | None, bool]:
+        """``load`` without events, safe on the loader thread: ``(tier name or None, a bad file was dropped)``.
+        ``cpu_copy``: the CPU tier's block taken earlier (``take_cpu_copies``). The disk read runs outside the
+        lock, so evictions the step writes down do not wait for it."""
         start = time.perf_counter()
-        tier = self.cpu if block_hash in self.cpu else self.disk
-        data = tier.get(block_hash) if tier is not None else None
+        with self._lock:
+            if cpu_copy is not None:
+                tier, data = self.cpu, cpu_copy
+            elif block_hash in self.cpu:
+                tier, data = self.cpu, self.cpu.get(block_hash)
+            elif self.disk is not None and block_hash in self.disk:
+                tier, data = self.disk, None
+                self.disk.files.move_to_end(block_hash)
+            else:
+                return None, False
         if data is None:
-            if tier is self.disk and tier is not None:
-                self._event("removed", [block_hash], "disk")
-            return None
+            data = self.disk.read(block_hash)
+            if data is None:
+                with self._lock:
+                    return None, self.disk.discard_bad(block_hash)
         self.write_block(block_id, data)
-        s = tier.stats
-        s.blocks_loaded += 1
-        s.bytes_loaded += data.numel() * data.element_size()
-        s.hit_tokens += self.block_tokens
-        s.load_seconds += time.perf_counter() - start
-        return tier.name
+        with self._lock:
+            s = tier.stats
+            s.blocks_loaded += 1
+            s.bytes_loaded += data.numel() * data.element_size()
+            s.hit_tokens += self.block_tokens
+            s.load_seconds += time.perf_counter() - start
+        return tier.name, False
+
+    def take_cpu_copies(self, hashes: list[BlockHash]) -> list[torch.Tensor | None]:
+        """The CPU tier's blocks among ``hashes`` (references; None for the others), taken before the caller takes
+        device blocks for the load: those evictions write into the CPU tier and may push these blocks to disk."""
+        with self._lock:
+            return [self.cpu.get(h) if h in self.cpu else None for h in hashes]
+
+    def start_loads(self, jobs: list[tuple[BlockHash, int, torch.Tensor | None]]) -> Future:
+        """Load ``(block hash, device block id, CPU copy or None)`` in order on the loader thread, stopping at the
+        first block no tier holds a good copy of. The future's result: one ``(tier name or None, bad file)`` per
+        block tried. The caller keeps the device blocks pinned until the future is done."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
+        return self._loader.submit(self._load_chain, jobs)
+
+    def _load_chain(self, jobs: list[tuple[BlockHash, int, torch.Tensor | None]]) -> list[tuple[str | None, bool]]:
+        results = []
+        for block_hash, block_id, cpu_copy in jobs:
+            results.append(self._load_one(block_hash, block_id, cpu_copy))
+            if results[-1][0] is None:
+                break
+        return results
 
     def hashes(self) -> dict[str, list[BlockHash]]:
         """Every block hash per tier now (``cpu``, ``disk``)."""
-        return {"cpu": self.cpu.hashes(), "disk": self.disk.hashes() if self.disk is not None else []}
+        with self._lock:
+            return {"cpu": self.cpu.hashes(), "disk": self.disk.hashes() if self.disk is not None else []}
 
     def get_stats(self) -> dict:
         """``kv_offload_<tier>_<stat>`` for every ``TierStats`` field of both tiers (a missing disk tier: zeros)."""
         out = {}
         for name, tier in (("cpu", self.cpu), ("disk", self.disk)):
-            stats = asdict(tier.stats) if tier is not None else asdict(TierStats())
+            with self._lock:
+                stats = asdict(tier.stats) if tier is not None else asdict(TierStats())
             out.update({f"kv_offload_{name}_{k}": v for k, v in stats.items()})
         return out
 

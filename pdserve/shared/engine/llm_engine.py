@@ -181,6 +181,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             self.structured.wait_any(0.05)  # nothing to run but grammars compiling: no busy loop
+            if self.kv_manager.loads:
+                self.kv_manager.loads.wait_any(0.05)  # nothing to run but blocks loading from a tier: likewise
             # A step can preempt every running request and schedule nothing (the pool held by reservations): its
             # swap-outs must still happen, or the swapped request resumes from CPU blocks that never received
             # its KV (issue 12.B: a seeded choice's text changed under swap).

@@ -246,6 +246,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.reap_loads()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
@@ -274,9 +275,18 @@ class Scheduler:
                 continue
             # the request preempted itself; the list shifted, stay at index i
 
-        # waiting requests (new prefills, recomputes, swap-ins), only when nothing was preempted
+        self._schedule_waiting(out, budget, scheduled_ids)
+        return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
+        """Waiting requests (new prefills, recomputes, swap-ins), only when nothing was preempted. One whose prefix
+        blocks are loading from an offloading tier is skipped this step and keeps its place in the queue."""
+        loading: list[Request] = []
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.status != RequestStatus.SWAPPED and self.kv.is_loading(request):
+                loading.append(self.waiting.pop())
+                continue
             if request.status == RequestStatus.SWAPPED:
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 if not self._swap_in(request, num_new, out):
@@ -284,7 +294,7 @@ class Scheduler:
                 allocated = self.kv.allocate_slots(request, num_new)  # the swapped-in blocks cover all but new slots
                 assert allocated is not None, "swap-in checked the blocks it needs"
             else:
-                computed, num_computed = self.kv.get_computed_blocks(request)
+                computed, num_computed = self.kv.get_computed_blocks(request, load_from_tiers=False)
                 num_new = min(request.num_tokens - num_computed, budget)
                 if self.kv.allocate_slots(request, num_new, computed) is None:
                     break
@@ -299,8 +309,8 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             scheduled_ids.add(request.request_id)
             budget -= num_new
-
-        return out
+        for request in reversed(loading):
+            self.waiting.add_front(request)
 
     def _num_new_running(self, request: Request, budget: int) -> int:
         """Tokens a running request asks for: its uncomputed tokens, plus its drafts when decoding; drafts

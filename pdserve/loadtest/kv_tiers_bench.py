@@ -1,0 +1,172 @@
+"""Multi-turn chat against KV offloading tiers: no tiers, CPU, CPU+disk and an unlimited pool, in turns.
+
+Workload: ``--sessions`` chat sessions share one system prompt (``--system-tokens``); each runs ``--turns`` turns
+in sequence, turn k+1 carrying the whole conversation so far (answers included). Every session's first turn
+goes out, then every second turn, and so on: between two turns of one session the other sessions pass through
+the pod, so with a small pool (``--kv-cache-memory``) a session's history is evicted before it comes back. Each
+mode runs a fresh ``pdserve up --prefill 1 --decode 1`` (same flags but the tiers); ``--rounds`` repeats the
+modes in turns (A B C D A B C D). Figures per mode, over later turns (turn 2 on):
+
+* TTFT p50/p99 as the client sees it;
+* prompt tokens computed per later turn (prefill and decode pods: ``prompt_tokens_computed``) next to the new
+  tokens of that turn (the prompt minus the previous turn's prompt and answer);
+* KV bytes moved: over the KV connector (``kv_bytes_received``), and written to / loaded from the tiers.
+
+Run: ``pdserve bench multi-turn [--sessions 10 --turns 3]``; figures in pdserve/loadtest/README.md
+"KV offloading tiers".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import httpx
+
+from pdserve.loadtest.kv_routing_bench import MODEL, Up, pct, system_prompt, user_message
+from pdserve.loadtest.sse import aread_chunks
+
+MODES = ("none", "cpu", "cpu+disk", "unlimited")
+STAT_KEYS = ("prompt_tokens_computed", "kv_bytes_received", "kv_offload_cpu_bytes_written",
+             "kv_offload_cpu_bytes_loaded", "kv_offload_disk_bytes_written", "kv_offload_disk_bytes_loaded")
+
+
+def mode_args(mode: str, kv_cache_memory: str, cpu_gib: float, disk_gib: float, disk_path: str) -> list[str]:
+    """``pdserve up`` flags of one mode (the pool is shrunk for all but ``unlimited``)."""
+    if mode == "unlimited":
+        return ["--kv-cache-memory", "2GiB"]
+    args = ["--kv-cache-memory", kv_cache_memory]
+    if mode == "cpu":
+        args += ["--kv-offloading-size", str(cpu_gib)]
+    elif mode == "cpu+disk":
+        args += ["--kv-offloading-size", str(cpu_gib / 4), "--kv-offloading-disk-path", disk_path,
+                 "--kv-offloading-disk-size", str(disk_gib)]
+    return args
+
+
+async def one_turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
+    """(TTFT s, answer, prompt tokens) of one streamed chat turn; raises on an HTTP error."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, first, answer, prompt_tokens = time.perf_counter(), None, [], 0
+    async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for chunk in aread_chunks(resp.aiter_lines()):
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+            for choice in chunk.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    first = first if first is not None else time.perf_counter() - start
+                    answer.append(choice["delta"]["content"])
+    return (first if first is not None else time.perf_counter() - start), "".join(answer), prompt_tokens
+
+
+async def workload(router_url: str, sessions: int, turns: int, system: str, max_tokens: int, stats_of) -> dict:
+    """Turn by turn across sessions; per later turn: TTFT, new tokens, prompt tokens computed (the pods' counter
+    moved by that turn alone: turns of one round go one at a time)."""
+    histories = [[{"role": "system", "content": system}] for _ in range(sessions)]
+    last_kv = [0] * sessions  # tokens of the previous turn's prompt and answer
+    out = {"ttft": [], "new": [], "computed": []}
+    async with httpx.AsyncClient(base_url=router_url, timeout=httpx.Timeout(600.0)) as http:
+        for turn in range(turns):
+            for s in range(sessions):
+                histories[s].append({"role": "user", "content": user_message(s, turn)})
+                before = await stats_of()
+                ttft, answer, prompt_tokens = await one_turn(http, histories[s], max_tokens)
+                after = await stats_of()
+                histories[s].append({"role": "assistant", "content": answer})
+                if turn:
+                    out["ttft"].append(ttft)
+                    out["new"].append(prompt_tokens - last_kv[s])
+                    out["computed"].append(after["prompt_tokens_computed"] - before["prompt_tokens_computed"])
+                last_kv[s] = prompt_tokens + max_tokens
+    return out
+
+
+def pod_stats(up: Up) -> dict:
+    """``STAT_KEYS`` summed over the worker pods (their ``/v1/stats``)."""
+    pods = httpx.get(f"{up.registry_url}/v1/pods", headers={"Authorization": f"Bearer {up.registry_token}"},
+                     timeout=10).json()["pods"]
+    total = dict.fromkeys(STAT_KEYS, 0)
+    for p in pods:
+        s = httpx.get(f"http://{p['host']}:{p['http_port']}/v1/stats", timeout=30).json()
+        for k in STAT_KEYS:
+            total[k] += s.get(k, 0)
+    return total
+
+
+def measure(mode: str, base: list[str], mode_flags: list[str], sessions: int, turns: int, system: str,
+            max_tokens: int, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"pdserve-tiers-{mode.replace('+', '-')}-") as tmp:
+        flags = [f.replace("{tmp}", tmp) for f in mode_flags]
+        with Up(base + flags, {}, Path(tmp), timeout_s) as up:
+            start = pod_stats(up)
+            run = asyncio.run(workload(up.router_url, sessions, turns, system, max_tokens,
+                                       lambda: asyncio.to_thread(pod_stats, up)))
+            end = pod_stats(up)
+    moved = {k: end[k] - start[k] for k in STAT_KEYS if k != "prompt_tokens_computed"}
+    return {"mode": mode, "turns": len(run["ttft"]), "ttft_p50": pct(run["ttft"], 0.5),
+            "ttft_p99": pct(run["ttft"], 0.99), "computed_per_turn": statistics.mean(run["computed"]),
+            "new_per_turn": statistics.mean(run["new"]), "moved": moved}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'mode':<10} {'turns':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'computed':>9} {'new':>6} {'ratio':>6} "
+             f"{'wire MiB':>9} {'tier wr MiB':>11} {'tier ld MiB':>11}"]
+    for r in rows:
+        m = r["moved"]
+        written = (m["kv_offload_cpu_bytes_written"] + m["kv_offload_disk_bytes_written"]) / 2**20
+        loaded = (m["kv_offload_cpu_bytes_loaded"] + m["kv_offload_disk_bytes_loaded"]) / 2**20
+        lines.append(f"{r['mode']:<10} {r['turns']:>5} {r['ttft_p50']:>8.3f}s {r['ttft_p99']:>8.3f}s "
+                     f"{r['computed_per_turn']:>9.1f} {r['new_per_turn']:>6.1f} "
+                     f"{r['computed_per_turn'] / r['new_per_turn']:>6.2f} {m['kv_bytes_received'] / 2**20:>9.1f} "
+                     f"{written:>11.1f} {loaded:>11.1f}")
+    return "\n".join(lines)
+
+
+@click.command("multi-turn")
+@click.option("--sessions", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--turns", type=click.IntRange(min=2), default=3, show_default=True)
+@click.option("--system-tokens", type=click.IntRange(min=16), default=1000, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Answer length cap.")
+@click.option("--kv-cache-memory", default="24MiB", show_default=True,
+              help="Decode and prefill pool of every mode but unlimited (2GiB).")
+@click.option("--kv-offloading-size", "cpu_gib", type=float, default=1.0, show_default=True,
+              help="CPU tier GiB (cpu mode; a quarter of it in cpu+disk mode, so that the disk tier is used).")
+@click.option("--kv-offloading-disk-size", "disk_gib", type=float, default=4.0, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
+@click.option("--modes", default=",".join(MODES), show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Repeat the modes in turns (A B C D A B C D).")
+@click.option("--startup-timeout-s", type=float, default=600.0, show_default=True)
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
+def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memory, cpu_gib, disk_gib, dtype, modes,
+                       rounds, startup_timeout_s, json_out) -> None:
+    """Multi-turn chat through `pdserve up`: no tiers vs CPU vs CPU+disk vs an unlimited pool, in turns."""
+    from transformers import AutoTokenizer
+
+    from pdserve.shared.models.resolve import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(MODEL))
+    system = system_prompt(tokenizer, system_tokens)
+    # local prefill threshold 0: every later turn goes through the prefill pod, so that the hand-over (and the
+    # decode pod's tiers answering its reservation) is what is measured
+    base = ["--prefill", "1", "--decode", "1", "--dtype", dtype, "--local-prefill-threshold", "0"]
+    click.echo(f"workload: {sessions} sessions x {turns} turns, system prompt {len(tokenizer.encode(system))} tokens, "
+               f"answers <= {max_tokens} tokens; pdserve up {' '.join(base)}", err=True)
+    rows = []
+    for r in range(rounds):
+        for mode in modes.split(","):
+            click.echo(f"round {r + 1}: {mode} ...", err=True)
+            flags = mode_args(mode, kv_cache_memory, cpu_gib, disk_gib, "{tmp}/kv-disk")
+            rows.append(measure(mode, base, flags, sessions, turns, system, max_tokens, startup_timeout_s))
+            click.echo(table(rows[-1:]).splitlines()[1], err=True)
+    click.echo(table(rows))
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=2))
