@@ -144,18 +144,22 @@ def test_greedy_answers_under_recompute_preemption_equal_the_unpreempted_ones(ll
 
 
 @pytest.mark.slow
-def test_under_ngram_speculation_a_grammar_request_decodes_without_drafts_and_equals_plain(llm_fp32, tokenizer):
-    """Speculation proposes no drafts for a grammar request (docs/engine.md "Structured outputs"); a plain request
-    in the same batch still speculates."""
+def test_under_ngram_speculation_grammar_requests_verify_drafts_and_equal_plain_decoding(llm_fp32, tokenizer):
+    """Drafts of a grammar request are verified under the grammar, the matcher rolled back to the accepted prefix
+    (structured_output.py): greedy output equals plain decoding under the same grammar, and validates."""
     from pdserve import LLM
 
-    spec = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=256, speculative_config={
+    spec = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=384, speculative_config={
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
-    guided = _chat(tokenizer, "A person as JSON.")
-    copy = _chat(tokenizer, "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.")
-    params = [_greedy({"json": SCHEMAS["person"]}, max_tokens=40), SamplingParams(temperature=0.0, max_tokens=24)]
-    want = [o.outputs[0].token_ids for o in llm_fp32.generate([guided, copy], params)]
-    got = spec.generate([guided, copy], params)
+    prompts = [_chat(tokenizer, "Copy this JSON exactly: " + json.dumps(example)) for example in (
+        {"name": "Ann Lee", "age": 42}, {"name": "Bob", "age": 7})]
+    prompts.append(_chat(tokenizer, "A person as JSON."))
+    params = _greedy({"json": SCHEMAS["person"]}, max_tokens=48)
+    want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params)]
+    got = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == want
-    jsonschema.validate(json.loads(got[0].outputs[0].text), SCHEMAS["person"])
-    assert spec.get_stats()["spec_decode_num_draft_tokens"] > 0
+    for out in got:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["person"])
+    stats = spec.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # some rolled back
