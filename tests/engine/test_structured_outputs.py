@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from pdserve.shared.engine.input_processor import RequestRejected
+from pdserve.shared.engine.structured_output import build_grammar
 from pdserve.shared.protocol.sampling_params import SamplingParams
 from support.structured_schemas import SCHEMAS
 
@@ -110,6 +111,48 @@ def test_a_request_whose_grammar_compiles_waits_without_stalling_the_batch(llm_f
             for out in engine.step():
                 done[out.request_id] = out
         assert done["guided"].finished and json.loads(done["guided"].outputs[0].text)["held"] in range(10)
+    finally:
+        engine.structured._pool.submit = real_submit
+
+
+@pytest.mark.slow
+def test_a_hand_over_whose_grammar_the_decode_side_compiles_first_waits_out_of_the_batch(llm_fp32, tokenizer):
+    """The decode side of a hand-over (reserve, write_kv, commit) with a grammar it has not compiled: the request
+    keeps its blocks but leaves the batch while the compile runs, a plain request keeps stepping, and once
+    compiled the greedy answer equals the one-engine answer under the same grammar."""
+    engine = llm_fp32.llm_engine
+    prompt = _chat(tokenizer, "A person as JSON.")
+    params = _greedy({"json": SCHEMAS["person"]}, max_tokens=40)
+    want = llm_fp32.generate(prompt, params)[0].outputs[0].token_ids
+    engine.add_request("prefill", prompt, params, prefill_only=True)
+    exports, first = {}, None
+    while "prefill" not in exports:
+        for out in engine.step():
+            first = out.outputs[0].token_ids[0]
+        exports.update(engine.take_exports())
+    # the same grammar under a spec text this engine has not seen: the decode side's first compile
+    unseen = _greedy({"json": {**SCHEMAS["person"], "title": "decode-side"}}, max_tokens=40)
+    compiling: Future = Future()
+    real_submit = engine.structured._pool.submit
+    engine.structured._pool.submit = lambda fn: compiling
+    try:
+        _, cached = engine.reserve("handed", prompt)
+        engine.write_kv("handed", cached, exports["prefill"][1][cached:])
+        engine.commit("handed", first, unseen)
+        engine.add_request("plain", _chat(tokenizer, "Hi"), SamplingParams(temperature=0.0, max_tokens=8))
+        done = {}
+        for _ in range(9):
+            for out in engine.step():
+                done[out.request_id] = out
+        assert done["plain"].finished and "handed" not in done
+        assert engine.num_waiting == 1 and engine.owns("handed")
+        compiling.set_result(real_submit(lambda: engine.structured._get_compiler().compile_grammar(
+            build_grammar("json", unseen.structured_outputs["json"]))).result())
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out
+        assert done["handed"].finished and done["handed"].outputs[0].token_ids[-(len(want) - 1):] == want[1:]
+        jsonschema.validate(json.loads(tokenizer.decode(want, skip_special_tokens=True)), SCHEMAS["person"])
     finally:
         engine.structured._pool.submit = real_submit
 

@@ -11,7 +11,8 @@ Rules:
   ``structured_outputs``. The tokenizer-dependent compile runs on one background thread, cached per spec text
   (a manager belongs to one engine, so to one tokenizer): the cache is per (spec, tokenizer).
 * A request whose grammar is compiling waits outside the scheduler (``pending``) and joins the waiting queue
-  once it is compiled, so it never holds a batch slot or stalls a step.
+  once it is compiled, so it never holds a batch slot or stalls a step. A hand-over committed on a decode pod
+  that has not compiled its grammar yet waits the same way, holding its blocks, and rejoins the running batch.
 * Replay: a matcher's state is a function of the request's output tokens. Before each mask it is synced to them
   (``RequestGrammar.sync``): tokens past its position are accepted, tokens it has but the output does not are
   rolled back (xgrammar's ``GrammarMatcher.rollback``). A decode pod, a request migrated with the output its
@@ -81,6 +82,8 @@ class RequestGrammar:
         token is refused, the matcher then at the longest accepted prefix: ``strict`` (the request's real
         output) also marks the grammar failed (stop tokens only from now on); not strict (a speculative verify
         row whose drafts break the grammar: the row can never be reached) leaves it usable."""
+        if not self.is_ready:
+            return True  # still compiling (a decode pod's commit): the first sync after the compile replays it all
         matcher = self._matcher()
         if matcher is None or self.failed:
             return True  # fill_bitmask allows stop tokens only
