@@ -221,8 +221,10 @@ class LLMEngine:
         """``sampled_here``: False for a hand-over's first token (the prefill pod sampled and counts it)."""
         self.stats.sampled_tokens += sampled_here
         reason = self.output.append_token(request, token, lp, now)
-        if request.grammar is not None:
-            request.grammar.sync(request.output_token_ids)  # the matcher advances on each accepted token
+        # the matcher advances on each accepted token; one still compiling (a decode pod's commit) replays the whole
+        # output at its first mask instead of blocking here
+        if request.grammar is not None and request.grammar.is_ready:
+            request.grammar.sync(request.output_token_ids)
             if reason is None and request.grammar.is_terminated:
                 reason = "stop"
         self.stats.generation_tokens += 1

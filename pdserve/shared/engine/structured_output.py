@@ -82,8 +82,6 @@ class RequestGrammar:
         token is refused, the matcher then at the longest accepted prefix: ``strict`` (the request's real
         output) also marks the grammar failed (stop tokens only from now on); not strict (a speculative verify
         row whose drafts break the grammar: the row can never be reached) leaves it usable."""
-        if not self.is_ready:
-            return True  # still compiling (a decode pod's commit): the first sync after the compile replays it all
         matcher = self._matcher()
         if matcher is None or self.failed:
             return True  # fill_bitmask allows stop tokens only
