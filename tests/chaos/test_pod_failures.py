@@ -10,7 +10,9 @@ bodies, and the decode pods' own counters plus Redis keys for what must be left 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import jsonschema
 import pytest
 
 from pdserve.loadtest import chaos
@@ -74,21 +76,32 @@ def late_stop_string(text: str) -> str:
     return text[at:at + 5]
 
 
+SUMMARY_SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24},
+                                                  "words": {"type": "integer", "minimum": 0, "maximum": 999}},
+                  "required": ["title", "words"], "additionalProperties": False}
+
+
 def test_decode_worker_killed_mid_generation_continues_on_another(cluster):
-    """Greedy and seeded requests, with and without a stop string late in their text: each resumes on the
-    surviving pod and the client's text equals the uninterrupted run's (same finish reason, same usage)."""
+    """Greedy and seeded requests, with and without a stop string late in their text, and two under a JSON schema
+    (likely one per pod): each resumes on the surviving pod and the client's text equals the uninterrupted run's
+    (same finish reason, same usage); a structured answer is still valid JSON (its grammar replayed on the
+    survivor, structured_output.py)."""
     # over the whole vocabulary: the exponential race does not flip on fp32 noise from another batch shape or a
     # prefix-cache hit (pdserve/shared/engine/sampler.py), while a wrong generator skip after the move changes the text
     seeded = {"temperature": 0.9, "seed": 11, "ignore_eos": True}
     greedy = {"ignore_eos": True}
+    structured = {"structured_outputs": {"json": SUMMARY_SCHEMA}}
     texts = chaos.prompts(4, seed=2)
     plain = [asyncio.run(chaos.reference(cluster.router_url, [t], 32, **v))[0] for t, v in zip(texts, [greedy, seeded] * 2)]
     variants = [greedy, seeded, {**greedy, "stop": [late_stop_string(plain[2].text)]},
-                {**seeded, "stop": [late_stop_string(plain[3].text)]}]
-    tally = asyncio.run(chaos.decode_kill(cluster, 4, 32, variants))
-    assert tally.count("completed") == tally.sent == 4, summary(tally)
+                {**seeded, "stop": [late_stop_string(plain[3].text)]}, structured, structured]
+    tally = asyncio.run(chaos.decode_kill(cluster, 6, 32, variants))
+    assert tally.count("completed") == tally.sent == 6, summary(tally)
     assert tally.wrong == 0, summary(tally)
-    assert [o.finish_reason for o in tally.outcomes] == ["length", "length", "stop", "stop"], summary(tally)
+    assert [o.finish_reason for o in tally.outcomes] == ["length", "length", "stop", "stop", "stop", "stop"], \
+        summary(tally)
+    for o in tally.outcomes[4:]:
+        jsonschema.validate(json.loads(o.text), SUMMARY_SCHEMA)
     assert "migrated" in cluster.log("router") or "lost decode pod" in cluster.log("router")
 
 

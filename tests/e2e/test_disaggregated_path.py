@@ -428,6 +428,30 @@ def test_openai_sdk_parse_returns_the_pydantic_model(client):
     assert done.choices[0].finish_reason == "stop"
 
 
+def test_langchain_openai_structured_output_and_bound_tools(ensemble):
+    """langchain-openai's ``with_structured_output`` (json_schema) returns the pydantic model, and ``bind_tools``
+    with a named tool choice (guided by the tool's schema) returns a tool call whose arguments validate."""
+    import jsonschema
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{ensemble.router_url}/v1", api_key="unused", temperature=0,
+                     max_tokens=60, max_retries=0, timeout=300)
+    city = llm.with_structured_output(City, method="json_schema").invoke("Describe Paris as JSON.")
+    assert isinstance(city, City)
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                       "required": ["city"], "additionalProperties": False}}}
+    message = llm.bind_tools([weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert [call["name"] for call in message.tool_calls] == ["get_weather"]
+    jsonschema.validate(message.tool_calls[0]["args"], weather["function"]["parameters"])
+
+
 def test_a_schema_the_grammar_compiler_refuses_gets_a_400_from_the_worker_naming_the_field(ensemble, client):
     """A lookbehind passes the router's meta-schema check; the engine's compiler refuses it: a 400, not a 500."""
     schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}

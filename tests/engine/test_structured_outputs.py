@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from pdserve.shared.engine.input_processor import RequestRejected
+from pdserve.shared.engine.structured_output import build_grammar
 from pdserve.shared.protocol.sampling_params import SamplingParams
 from support.structured_schemas import SCHEMAS
 
@@ -115,6 +116,48 @@ def test_a_request_whose_grammar_compiles_waits_without_stalling_the_batch(llm_f
 
 
 @pytest.mark.slow
+def test_a_hand_over_whose_grammar_the_decode_side_compiles_first_waits_out_of_the_batch(llm_fp32, tokenizer):
+    """The decode side of a hand-over (reserve, write_kv, commit) with a grammar it has not compiled: the request
+    keeps its blocks but leaves the batch while the compile runs, a plain request keeps stepping, and once
+    compiled the greedy answer equals the one-engine answer under the same grammar."""
+    engine = llm_fp32.llm_engine
+    prompt = _chat(tokenizer, "A person as JSON.")
+    params = _greedy({"json": SCHEMAS["person"]}, max_tokens=40)
+    want = llm_fp32.generate(prompt, params)[0].outputs[0].token_ids
+    engine.add_request("prefill", prompt, params, prefill_only=True)
+    exports, first = {}, None
+    while "prefill" not in exports:
+        for out in engine.step():
+            first = out.outputs[0].token_ids[0]
+        exports.update(engine.take_exports())
+    # the same grammar under a spec text this engine has not seen: the decode side's first compile
+    unseen = _greedy({"json": {**SCHEMAS["person"], "title": "decode-side"}}, max_tokens=40)
+    compiling: Future = Future()
+    real_submit = engine.structured._pool.submit
+    engine.structured._pool.submit = lambda fn: compiling
+    try:
+        _, cached = engine.reserve("handed", prompt)
+        engine.write_kv("handed", cached, exports["prefill"][1][cached:])
+        engine.commit("handed", first, unseen)
+        engine.add_request("plain", _chat(tokenizer, "Hi"), SamplingParams(temperature=0.0, max_tokens=8))
+        done = {}
+        for _ in range(9):
+            for out in engine.step():
+                done[out.request_id] = out
+        assert done["plain"].finished and "handed" not in done
+        assert engine.num_waiting == 1 and engine.owns("handed")
+        compiling.set_result(real_submit(lambda: engine.structured._get_compiler().compile_grammar(
+            build_grammar("json", unseen.structured_outputs["json"]))).result())
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out
+        assert done["handed"].finished and done["handed"].outputs[0].token_ids[-(len(want) - 1):] == want[1:]
+        jsonschema.validate(json.loads(tokenizer.decode(want, skip_special_tokens=True)), SCHEMAS["person"])
+    finally:
+        engine.structured._pool.submit = real_submit
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [{"json": {"type": "wizard"}}, {"regex": "(("}, {"grammar": "root ::= "}])
 def test_a_spec_the_compiler_refuses_is_rejected_naming_structured_outputs(llm_fp32, tokenizer, spec):
     with pytest.raises(RequestRejected) as err:
@@ -144,18 +187,22 @@ def test_greedy_answers_under_recompute_preemption_equal_the_unpreempted_ones(ll
 
 
 @pytest.mark.slow
-def test_under_ngram_speculation_a_grammar_request_decodes_without_drafts_and_equals_plain(llm_fp32, tokenizer):
-    """Speculation proposes no drafts for a grammar request (docs/engine.md "Structured outputs"); a plain request
-    in the same batch still speculates."""
+def test_under_ngram_speculation_grammar_requests_verify_drafts_and_equal_plain_decoding(llm_fp32, tokenizer):
+    """Drafts of a grammar request are verified under the grammar, the matcher rolled back to the accepted prefix
+    (structured_output.py): greedy output equals plain decoding under the same grammar, and validates."""
     from pdserve import LLM
 
-    spec = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=256, speculative_config={
+    spec = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=384, speculative_config={
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
-    guided = _chat(tokenizer, "A person as JSON.")
-    copy = _chat(tokenizer, "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.")
-    params = [_greedy({"json": SCHEMAS["person"]}, max_tokens=40), SamplingParams(temperature=0.0, max_tokens=24)]
-    want = [o.outputs[0].token_ids for o in llm_fp32.generate([guided, copy], params)]
-    got = spec.generate([guided, copy], params)
+    prompts = [_chat(tokenizer, "Copy this JSON exactly: " + json.dumps(example)) for example in (
+        {"name": "Ann Lee", "age": 42}, {"name": "Bob", "age": 7})]
+    prompts.append(_chat(tokenizer, "A person as JSON."))
+    params = _greedy({"json": SCHEMAS["person"]}, max_tokens=48)
+    want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params)]
+    got = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == want
-    jsonschema.validate(json.loads(got[0].outputs[0].text), SCHEMAS["person"])
-    assert spec.get_stats()["spec_decode_num_draft_tokens"] > 0
+    for out in got:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["person"])
+    stats = spec.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # some rolled back

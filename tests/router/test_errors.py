@@ -369,7 +369,9 @@ def test_tool_choice_is_refused_naming_it(router, worker):
     ({"structured_outputs": {"json": None, "regex": "[0-9]+", "choice": None}}, {"regex": "[0-9]+"}),
 ])
 def test_response_format_and_structured_outputs_reach_the_worker_as_one_field(router, worker, body, expected):
-    resp = httpx.post(router.url + "/v1/chat/completions", timeout=30, json={"model": MODEL, "messages": MSGS, **body})
+    # max_tokens: without it the stand-in worker streams the whole context's worth of filler (~10 s a case)
+    resp = httpx.post(router.url + "/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": MSGS, "max_tokens": 4, **body})
     assert resp.status_code == 200, resp.text
     assert worker.received[-1].request.sampling_params.structured_outputs == expected
 

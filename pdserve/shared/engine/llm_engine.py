@@ -152,7 +152,9 @@ class LLMEngine:
             compiling = self.structured.discard(state.members)
             for request in state.members:
                 if request.request_id in compiling:
-                    request.status = RequestStatus.FINISHED_ABORTED  # never scheduled: holds nothing
+                    if request.status == RequestStatus.RUNNING:  # a committed hand-over holds its blocks
+                        self.kv_manager.free(request)
+                    request.status = RequestStatus.FINISHED_ABORTED  # otherwise never scheduled: holds nothing
                 elif not request.is_finished:
                     self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return found or state is not None
@@ -175,7 +177,10 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return outputs for every request that progressed.
         The outputs are snapshots: later steps never change them, so another thread may read them."""
         for request in self.structured.take_ready():
-            self.scheduler.add_request(request)
+            if request.status == RequestStatus.RUNNING:  # committed from a hand-over: its KV is all there
+                self.scheduler.add_running(request)
+            else:
+                self.scheduler.add_request(request)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -220,8 +225,10 @@ class LLMEngine:
         """``sampled_here``: False for a hand-over's first token (the prefill pod sampled and counts it)."""
         self.stats.sampled_tokens += sampled_here
         reason = self.output.append_token(request, token, lp, now)
-        if request.grammar is not None:
-            request.grammar.sync(request.output_token_ids)  # the matcher advances on each accepted token
+        # the matcher advances on each accepted token; one still compiling (a decode pod's commit) replays the whole
+        # output at its first mask instead of blocking here
+        if request.grammar is not None and request.grammar.is_ready:
+            request.grammar.sync(request.output_token_ids)
             if reason is None and request.grammar.is_terminated:
                 reason = "stop"
         self.stats.generation_tokens += 1
@@ -272,8 +279,7 @@ class LLMEngine:
             request = self.input.new_request(request_id, prompt_token_ids, params, max_tokens,
                                              arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
                                              output_token_ids=output_token_ids)
-            # the grammar's state is rebuilt by replaying the output (structured_output.py); a first compile here
-            # is waited for at this request's first sample
+            # the grammar's state is rebuilt by replaying the output (structured_output.py)
             request.grammar = self.structured.grammar_for(params)
             return request
 
@@ -282,6 +288,11 @@ class LLMEngine:
         self._append_token(request, first_token_id, None, time.time(), sampled_here=False)
         advance_generator(request.generator, 1, self.vocab_size)  # keep a seeded generator in step
         self.output.mark_sent(request)  # the prefill pod sent it already
+        if request.grammar is not None and not request.grammar.is_ready and not request.is_finished:
+            # a first compile on this pod: the request keeps its blocks but leaves the batch until it is compiled
+            # (``step`` puts it back), so the batch keeps stepping
+            self.scheduler.detach(request)
+            self.structured.pending.append(request)
 
     def release_reservation(self, request_id: str) -> None:
         self.decode_import.release(request_id)

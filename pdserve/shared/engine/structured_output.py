@@ -11,12 +11,18 @@ Rules:
   ``structured_outputs``. The tokenizer-dependent compile runs on one background thread, cached per spec text
   (a manager belongs to one engine, so to one tokenizer): the cache is per (spec, tokenizer).
 * A request whose grammar is compiling waits outside the scheduler (``pending``) and joins the waiting queue
-  once it is compiled, so it never holds a batch slot or stalls a step.
+  once it is compiled, so it never holds a batch slot or stalls a step. A hand-over committed on a decode pod
+  that has not compiled its grammar yet waits the same way, holding its blocks, and rejoins the running batch.
 * Replay: a matcher's state is a function of the request's output tokens. Before each mask it is synced to them
-  (``RequestGrammar.sync``): tokens past its position are accepted, a shorter output (never expected: spec
-  decoding is off for these requests) resets and replays. A decode pod, a request migrated with the output its
+  (``RequestGrammar.sync``): tokens past its position are accepted, tokens it has but the output does not are
+  rolled back (xgrammar's ``GrammarMatcher.rollback``). A decode pod, a request migrated with the output its
   client has, and a request recomputed after preemption all rebuild the state this way; nothing about the
   matcher crosses a wire.
+* Speculative decoding: a request's verify rows are ``output + drafts[:j]``, j = 0..k; syncing to each in turn
+  accepts one draft more, so row j's mask is the grammar's after the first j drafts (a draft the grammar
+  refuses gets ``-inf`` in its row, so it is rejected and the rows after it are never reached). Appending the
+  accepted tokens then syncs to the real output: the matcher rolls back to the accepted prefix and accepts the
+  recovered or bonus token (vLLM's and SGLang's rule for grammar plus speculation).
 * When the matcher terminates (it accepted a stop token, or the grammar cannot continue), the request finishes
   with ``"stop"``.
 """
@@ -39,6 +45,8 @@ logger = logging.getLogger(__name__)
 _LOCATION_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 # compiled grammars kept per engine (a compiled JSON schema is tens of KiB)
 _CACHE_SIZE = 256
+# how far back from the end a sync looks for a divergence: more than any verify step's drafts
+_DIVERGENCE_WINDOW = 64
 
 
 class RequestGrammar:
@@ -68,36 +76,63 @@ class RequestGrammar:
                 self.failed = True
         return self.matcher
 
-    def sync(self, output_token_ids: Sequence[int]) -> None:
-        """Make the matcher have accepted exactly ``output_token_ids`` (the replay rule)."""
+    def sync(self, output_token_ids: Sequence[int], *, strict: bool = True) -> bool:
+        """Make the matcher have accepted exactly ``output_token_ids`` (the replay rule): a common prefix is kept,
+        tokens past it are rolled back (a verify row's rejected drafts), the rest accepted. Returns False when a
+        token is refused, the matcher then at the longest accepted prefix: ``strict`` (the request's real
+        output) also marks the grammar failed (stop tokens only from now on); not strict (a speculative verify
+        row whose drafts break the grammar: the row can never be reached) leaves it usable."""
         matcher = self._matcher()
-        if matcher is None:
-            return
-        n = len(self.tokens)
-        if len(output_token_ids) < n or (n and output_token_ids[n - 1] != self.tokens[-1]):
-            matcher.reset()
-            self.tokens = []
-            n = 0
-        for token in output_token_ids[n:]:
+        if matcher is None or self.failed:
+            return True  # fill_bitmask allows stop tokens only
+        tokens = self.tokens
+        common = self._common_prefix(output_token_ids)
+        if common < len(tokens):
+            try:
+                matcher.rollback(len(tokens) - common)
+            except Exception:  # noqa: BLE001 - past what the matcher can roll back: replay from the start
+                matcher.reset()
+                common = 0
+            del tokens[common:]
+        for token in output_token_ids[common:]:
             if matcher.is_terminated():
-                break
+                break  # tokens after a stop token: the request has ended there
             if not matcher.accept_token(token):
-                logger.warning("output token %d breaks the request's grammar; only a stop token is allowed now", token)
-                self.failed = True
-                return
-            self.tokens.append(token)
+                if strict:
+                    logger.warning("output token %d breaks the request's grammar; only a stop token is allowed now",
+                                   token)
+                    self.failed = True
+                return False
+            tokens.append(token)
+        return True
+
+    def _common_prefix(self, output_token_ids: Sequence[int]) -> int:
+        """Length of the common prefix of ``self.tokens`` and ``output_token_ids``. Outputs only ever differ from
+        what the matcher accepted in their last few tokens (a verify step's drafts), so only a window at the end
+        is compared: O(window), not O(output), per row and step."""
+        tokens = self.tokens
+        common = min(len(tokens), len(output_token_ids))
+        lo = max(0, common - _DIVERGENCE_WINDOW)
+        head = output_token_ids[lo:common]
+        if tokens[lo:common] == (head if isinstance(head, list) else list(head)):
+            return common
+        return next(i for i in range(lo, common) if tokens[i] != output_token_ids[i])
 
     @property
     def is_terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask, row: int) -> None:
-        """Row ``row`` of an xgrammar bitmask: the tokens the grammar allows next (a failed grammar: stop tokens)."""
+    def fill_bitmask(self, bitmask, row: int, reachable: bool = True) -> None:
+        """Row ``row`` of an xgrammar bitmask (``[rows, ceil(vocab / 32)]`` int32, bit ``t % 32`` of word ``t // 32``
+        set where token ``t`` is allowed): the tokens the grammar allows next. A failed grammar, or a row that is
+        not ``reachable`` (``sync`` refused its drafts) or past a stop token (a verify row after a drafted EOS,
+        never sampled from): the stop tokens."""
         matcher = self._matcher()
-        if matcher is None or self.failed:
+        if matcher is None or self.failed or not reachable or matcher.is_terminated():
             bitmask[row] = 0
             for token in self._stop_token_ids:
-                bitmask[row, token // 32] |= 1 << (token % 32)
+                bit = 1 << (token % 32)
+                bitmask[row, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 wraps at bit 31
             return
         matcher.fill_next_token_bitmask(bitmask, row)
 

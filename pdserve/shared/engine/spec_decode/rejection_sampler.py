@@ -156,14 +156,18 @@ class RejectionSampler:
         return out
 
 
-def spec_metadata(params, prompts, outputs, drafts, eos_token_ids, vocab_size) -> SamplingMetadata:
+def spec_metadata(params, prompts, outputs, drafts, eos_token_ids, vocab_size, grammars=()) -> SamplingMetadata:
     """``SamplingMetadata`` with one row per verified position: request i's row j sees ``outputs[i] +
-    drafts[i][:j]`` as its output (penalties, min_tokens), as if the drafts before it were accepted."""
-    p_rows, prompt_rows, out_rows = [], [], []
-    for sp, prompt, output, draft in zip(params, prompts, outputs, drafts):
+    drafts[i][:j]`` as its output (penalties, min_tokens, the grammar ``grammars[i]`` if any), as if the drafts
+    before it were accepted. A request's rows are consecutive and in order, so its matcher advances one draft
+    a row."""
+    p_rows, prompt_rows, out_rows, grammar_rows = [], [], [], []
+    grammars = grammars or [None] * len(params)
+    for sp, prompt, output, draft, grammar in zip(params, prompts, outputs, drafts, grammars):
         for j in range(len(draft) + 1):
             p_rows.append(sp)
             prompt_rows.append(prompt)
             out_rows.append(list(output) + list(draft[:j]))
+            grammar_rows.append(grammar)
     return SamplingMetadata.from_requests(p_rows, prompt_rows, out_rows, [None] * len(p_rows), eos_token_ids,
-                                          vocab_size)
+                                          vocab_size, grammars=grammar_rows if any(grammar_rows) else ())

@@ -5,8 +5,9 @@ Before ``Scheduler.schedule`` it sets ``spec_token_ids`` on every decoding reque
 more than ``max_tokens`` can be emitted. The n-gram proposer fills them there; the draft model needs the
 slots the scheduler allocates, so it gets k placeholders and ``fill_drafts`` (after scheduling, before the
 target's pass) overwrites the ones the scheduler kept with the draft model's guesses. After the forward pass
-it verifies each request's rows with the ``RejectionSampler``, appends the tokens it accepts, rolls the rest
-back (``verify_and_append``) and keeps vLLM's counters (``spec_decode_num_drafts``, ``..._num_draft_tokens``,
+it verifies each request's rows with the ``RejectionSampler`` (a grammar request's rows masked by its grammar
+after the drafts before them: structured_output.py), appends the tokens it accepts, rolls the rest back, the
+grammar's matcher too (``verify_and_append``) and keeps vLLM's counters (``spec_decode_num_drafts``, ``..._num_draft_tokens``,
 ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``).
 """
 
@@ -87,9 +88,7 @@ class SpecDecoder:
         candidates = []
         for request in running:
             request.spec_token_ids = []
-            # no drafts under a grammar: verifying them would need the matcher rolled back per rejected draft
-            if request.num_computed_tokens == request.num_tokens - 1 and not request.prefill_only \
-                    and request.grammar is None:
+            if request.num_computed_tokens == request.num_tokens - 1 and not request.prefill_only:
                 candidates.append(request)
         for i, request in enumerate(candidates):
             if budget <= 0:
@@ -115,7 +114,8 @@ class SpecDecoder:
     def verify(self, logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[list[int]]) -> VerifyOutput:
         """``logits``: ``[sum(len(d) + 1), V]``, request i's rows in order. Returns tokens to append per request."""
         md = spec_metadata([r.sampling_params for r in requests], [r.prompt_token_ids for r in requests],
-                           [r.output_token_ids for r in requests], drafts, self.eos_token_ids, self.vocab_size)
+                           [r.output_token_ids for r in requests], drafts, self.eos_token_ids, self.vocab_size,
+                           [r.grammar for r in requests])
         result = self.rejection_sampler(logits, drafts, md, [r.generator for r in requests],
                                         [self._draft_probs.get(r.request_id) for r in requests])
         self.policy.record_step(sum(len(d) for d in drafts), sum(result.num_accepted))
