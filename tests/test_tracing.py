@@ -109,3 +109,78 @@ def test_a_span_started_from_a_propagated_traceparent_is_its_child(exported):
     assert (spans["queue"].start_time, spans["queue"].end_time) == (10_000_000_000, 10_500_000_000)
     assert spans["blocks"].attributes == {"pdserve.kv.bytes": 4096}
     assert "kv_transfer" not in spans  # never ended: never exported
+
+
+def _step(sched, log) -> None:
+    """One engine step as ``LLMEngine.step`` logs it: schedule, ``begin``, compute, ``end``."""
+    out = sched.schedule()
+    log.begin(out)
+    for request in sched.update_after_step(out):
+        request.append_output_token(1)
+    log.end()
+
+
+def test_each_prefill_chunk_is_a_span_and_a_preemption_an_event_on_the_requests_span(exported):
+    """The real scheduler (budget 16 tokens, 5 blocks of 4): a 40-token prompt runs as chunks of 16, 16 and 8;
+    then three one-block requests fill the pool and the latest one is preempted by recompute. Oracle: the chunks
+    the scheduler's own rule gives (test_scheduler.py), one span each under the request's span, and one event."""
+    from pdserve.shared.engine.kv_cache_manager import KVCacheManager
+    from pdserve.shared.engine.request import Request
+    from pdserve.shared.engine.scheduler import Scheduler
+    from pdserve.shared.engine.step_log import StepLog
+    from pdserve.shared.worker.step_spans import trace_steps
+    from pdserve.shared.worker.tracked import Tracked
+
+    def req(rid, tokens):
+        return Request(rid, tokens, SamplingParams(max_tokens=8), 8, frozenset())
+
+    log = StepLog()
+    sched = Scheduler(KVCacheManager(64, 4, False), 8, 16, 1024, "fcfs")
+    sched.add_request(req("long", list(range(40))))
+    for _ in range(4):  # three chunks, then a decode step (not logged)
+        _step(sched, log)
+    spans = {"long": Tracked(0.0, span=tracing.start("prefill", VALID))}
+    trace_steps(spans, log.take())
+    assert log.take() == []
+
+    sched = Scheduler(KVCacheManager(5, 4, False), 8, 64, 1024, "fcfs")
+    for i in range(3):
+        sched.add_request(req(f"r{i}", [10 * i + j for j in range(4)]))
+    _step(sched, log)
+    sched.add_request(req("late", [7] * 4))
+    _step(sched, log)  # r2 is preempted: its next token needs a block
+    spans.update({f"r{i}": Tracked(0.0, span=tracing.start("decode", VALID)) for i in range(3)})
+    trace_steps(spans, log.take())
+    for info in spans.values():
+        tracing.end(info.span)
+
+    finished = exported.get_finished_spans()
+    by_id = {s.context.span_id: s for s in finished}
+    chunks = [s for s in finished if s.name == "prefill_chunk" and by_id[s.parent.span_id].name == "prefill"]
+    assert [(s.attributes["pdserve.chunk.first_token"], s.attributes["pdserve.chunk.tokens"]) for s in chunks] == \
+        [(0, 16), (16, 16), (32, 8)]
+    assert all(s.start_time <= s.end_time for s in chunks)
+    decode_chunks = sorted((by_id[s.parent.span_id].name, s.attributes["pdserve.chunk.tokens"])
+                           for s in finished if s.name == "prefill_chunk" and s not in chunks)
+    assert decode_chunks == [("decode", 4)] * 3  # the three prompts' one chunk each
+    events = {s.context.span_id: [(e.name, dict(e.attributes)) for e in s.events] for s in finished}
+    assert events[spans["r2"].span.context.span_id] == [
+        ("preemption", {"pdserve.preemption.mode": "recompute", "pdserve.preemption.num_tokens": 5})]
+    assert events[spans["r0"].span.context.span_id] == []
+
+
+def test_every_gen_ai_attribute_name_is_one_of_the_semantic_conventions():
+    """Oracle: the names OpenTelemetry's GenAI semantic conventions define (opentelemetry-semantic-conventions),
+    less the deprecated ones. Every ``gen_ai.*`` string in pdserve's code must be one of them."""
+    import pathlib
+    import re
+
+    from opentelemetry.semconv._incubating.attributes import gen_ai_attributes
+
+    defined = {v for k, v in vars(gen_ai_attributes).items() if k.startswith("GEN_AI_") and isinstance(v, str)}
+    deprecated = {"gen_ai.system", "gen_ai.prompt", "gen_ai.completion", "gen_ai.usage.prompt_tokens",
+                  "gen_ai.usage.completion_tokens"}
+    root = pathlib.Path(tracing.__file__).parents[1]
+    used = {m for path in root.rglob("*.py") for m in re.findall(r'"(gen_ai\.[a-z_.]+)"', path.read_text())}
+    assert used, "no GenAI attribute found: the scan is broken"
+    assert used <= defined - deprecated, used - (defined - deprecated)

@@ -1,13 +1,15 @@
 """``pdserve top``: a live terminal view of a running ensemble (``pdserve up`` or a port-forwarded cluster).
 
-It reads two things over HTTP, and nothing else:
+It reads three things over HTTP, and nothing else:
 
 - the registry's ``GET /v1/pods`` (with ``Authorization: Bearer <PDSERVE_REGISTRY_TOKEN>`` when one is given): the
   pods by tier, their load, KV blocks and last heartbeat;
 - ``GET /metrics`` of the router and of every registered pod (its ``http_url``): queue depth, requests in flight
   by phase, and the TTFT/TPOT/ITL histograms. Percentiles are computed from the difference between two scrapes
   (Prometheus' ``histogram_quantile`` over a ``rate`` window), so they are rolling over the refresh interval;
-  ``--once`` renders a single frame whose percentiles cover everything since the processes started.
+  ``--once`` renders a single frame whose percentiles cover everything since the processes started;
+- the router's ``GET /v1/pdserve/requests`` (``Authorization: Bearer <PDSERVE_API_KEY>`` when one is given): each
+  choice in flight with its phase (queued, prefill, transfer, decode), age, tokens so far and pod.
 
 A pod or router that cannot be scraped shows as ``unreachable``; a registry that cannot be read is an error line
 in the frame (live mode keeps trying) or a non-zero exit (``--once``). No torch, no service imports: this module
@@ -129,6 +131,8 @@ class Frame:
     router: Scrape | None
     now: float
     registry_error: str | None = None
+    # the router's GET /v1/pdserve/requests ``data`` (one dict per choice in flight); None: not read
+    requests: list[dict] | None = None
 
 
 async def _scrape(http: httpx.AsyncClient, url: str) -> Scrape | None:
@@ -140,8 +144,23 @@ async def _scrape(http: httpx.AsyncClient, url: str) -> Scrape | None:
         return None
 
 
-async def collect(registry: RegistryClient, http: httpx.AsyncClient, router_url: str | None) -> Frame:
-    """Reads the registry, then scrapes the router and every pod concurrently."""
+async def _requests(http: httpx.AsyncClient, router_url: str | None, api_key: str | None) -> list[dict] | None:
+    """The router's requests in flight (``GET /v1/pdserve/requests``), or None when it does not answer them."""
+    if not router_url:
+        return None
+    try:
+        r = await http.get(router_url.rstrip("/") + "/v1/pdserve/requests",
+                           headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+        r.raise_for_status()
+        return list(r.json()["data"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+async def collect(registry: RegistryClient, http: httpx.AsyncClient, router_url: str | None,
+                  api_key: str | None = None) -> Frame:
+    """Reads the registry, then scrapes the router and every pod and reads the router's requests concurrently.
+    ``api_key``: the router's API key (its request list is behind it when it has keys)."""
     error = None
     try:
         pods = await registry.list_pods()
@@ -149,9 +168,10 @@ async def collect(registry: RegistryClient, http: httpx.AsyncClient, router_url:
         pods, error = [], str(e)
     now = time.time()
     urls = [p.http_url for p in pods] + ([router_url] if router_url else [])
-    scraped = await asyncio.gather(*(_scrape(http, u) for u in urls))
+    *scraped, requests = await asyncio.gather(*(_scrape(http, u) for u in urls),
+                                              _requests(http, router_url, api_key))
     return Frame(pods=pods, pod_metrics={p.pod_id: s for p, s in zip(pods, scraped)},
-                 router=scraped[-1] if router_url else None, now=now, registry_error=error)
+                 router=scraped[-1] if router_url else None, now=now, registry_error=error, requests=requests)
 
 
 # ---- rendering -----------------------------------------------------------------------------------------------
@@ -204,6 +224,27 @@ def phases_table(frame: Frame) -> Table:
     return table
 
 
+REQUEST_COLUMNS = ("id", "choice", "phase", "age s", "prompt tok", "output tok", "prefill", "pod", "migrations")
+
+
+def requests_table(frame: Frame, limit: int) -> Table:
+    """One row per choice in flight, oldest first (the router's list, ``pdserve/services/router/inflight.py``): its
+    phase (queued, prefill, transfer, decode), age, prompt and output tokens so far, where it is prefilled and the
+    pod working on it now. At most ``limit`` rows; the title counts the rest and the phases."""
+    listed = frame.requests or []
+    counts = ", ".join(f"{sum(r['phase'] == p for r in listed)} {p}" for p in ("queued", "prefill", "transfer",
+                                                                             "decode"))
+    more = f", {len(listed) - limit} more not shown" if len(listed) > limit else ""
+    title = "requests (router unreachable)" if frame.requests is None else f"requests: {counts}{more}"
+    table = Table(title=title, title_justify="left")
+    for name in REQUEST_COLUMNS:
+        table.add_column(name, justify="right" if name.endswith(("tok", " s", "choice", "migrations")) else "left")
+    for r in listed[:limit]:
+        table.add_row(r["id"], str(r["index"]), r["phase"], f"{r['age_s']:.1f}", str(r["prompt_tokens"]),
+                      str(r["output_tokens"]), r["prefill"], r["pod"], str(r["migrations"]))
+    return table
+
+
 def latency_rows(frame: Frame, previous: Frame | None) -> list[tuple[str, str, Histogram]]:
     """(source, metric, histogram of the window) for the router's TTFT/TPOT/ITL and each tier's TTFT/ITL
     (summed over its pods). The window is ``frame`` minus ``previous`` (``None``: since the processes started)."""
@@ -240,8 +281,9 @@ def latency_table(frame: Frame, previous: Frame | None) -> Table:
     return table
 
 
-def render(frame: Frame, previous: Frame | None, registry_url: str, router_url: str | None) -> Group:
-    """The whole view of one refresh, as a rich renderable."""
+def render(frame: Frame, previous: Frame | None, registry_url: str, router_url: str | None,
+           max_requests: int = 20) -> Group:
+    """The whole view of one refresh, as a rich renderable (at most ``max_requests`` request rows)."""
     tiers = ", ".join(f"{sum(p.role == r for p in frame.pods)} {r}" for r in ROLES)
     head = Text(f"pdserve top  registry {registry_url}  router {router_url or '-'}  pods: {tiers}  "
                 f"{time.strftime('%H:%M:%S', time.localtime(frame.now))}")
@@ -250,28 +292,41 @@ def render(frame: Frame, previous: Frame | None, registry_url: str, router_url: 
         parts.append(Text(f"registry: {frame.registry_error}", style="bold red"))
     if router_url and frame.router is None:
         parts.append(Text(f"router: {router_url}/metrics unreachable", style="bold red"))
-    return Group(*parts, pods_table(frame), phases_table(frame), latency_table(frame, previous))
+    tables = [pods_table(frame), phases_table(frame)]
+    if router_url:
+        tables.append(requests_table(frame, max_requests))
+    return Group(*parts, *tables, latency_table(frame, previous))
 
 
 # ---- the command ---------------------------------------------------------------------------------------------
 
-async def _run(registry_url: str, token: str | None, router_url: str | None, interval: float, once: bool,
-               console: Console) -> int:
-    async with RegistryClient(registry_url, token=token, timeout_s=max(1.0, interval)) as registry, \
-            httpx.AsyncClient(timeout=max(1.0, interval)) as http:
-        frame = await collect(registry, http, router_url)
-        if once:
-            console.print(render(frame, None, registry_url, router_url))
+@dataclass(frozen=True)
+class TopOptions:
+    registry_url: str
+    token: str | None
+    router_url: str | None
+    api_key: str | None
+    interval: float
+    once: bool
+    max_requests: int
+
+
+async def _run(o: TopOptions, console: Console) -> int:
+    async with RegistryClient(o.registry_url, token=o.token, timeout_s=max(1.0, o.interval)) as registry, \
+            httpx.AsyncClient(timeout=max(1.0, o.interval)) as http:
+        frame = await collect(registry, http, o.router_url, o.api_key)
+        if o.once:
+            console.print(render(frame, None, o.registry_url, o.router_url, o.max_requests))
             return 1 if frame.registry_error else 0
         from rich.live import Live
 
         previous = None
-        with Live(render(frame, None, registry_url, router_url), console=console, screen=False,
-                  auto_refresh=False) as live:
+        with Live(render(frame, None, o.registry_url, o.router_url, o.max_requests), console=console,
+                  screen=False, auto_refresh=False) as live:
             while True:
-                await asyncio.sleep(interval)
-                previous, frame = frame, await collect(registry, http, router_url)
-                live.update(render(frame, previous, registry_url, router_url), refresh=True)
+                await asyncio.sleep(o.interval)
+                previous, frame = frame, await collect(registry, http, o.router_url, o.api_key)
+                live.update(render(frame, previous, o.registry_url, o.router_url, o.max_requests), refresh=True)
 
 
 @click.command("top")
@@ -283,15 +338,22 @@ async def _run(registry_url: str, token: str | None, router_url: str | None, int
               help="The registry (pdserve up prints its URL).")
 @click.option("--registry-token", envvar=TOKEN_ENV, default=None, show_envvar=True,
               help="The registry's bearer token (pdserve up generates one per run unless the variable is set).")
+@click.option("--api-key", envvar="PDSERVE_API_KEY", default=None, show_envvar=True,
+              help="The router's API key, for its request list when the router has keys.")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               help="Seconds between refreshes; latency percentiles cover the last interval.")
+@click.option("--max-requests", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Rows of the per-request list (oldest first).")
 @click.option("--once", is_flag=True, help="Render one frame to stdout and exit (percentiles since start).")
-def command(router_url: str, registry_url: str, registry_token: str | None, interval: float, once: bool) -> None:
+def command(router_url: str, registry_url: str, registry_token: str | None, api_key: str | None, interval: float,
+            max_requests: int, once: bool) -> None:
     """A live view of a running ensemble: pods by tier, load, KV usage, heartbeat age, requests in flight by
-    phase, rolling TTFT/TPOT. Exit status with --once: 1 when the registry could not be read."""
+    phase and one by one, rolling TTFT/TPOT. Exit status with --once: 1 when the registry could not be read."""
     console = Console(width=160) if once else Console()
+    options = TopOptions(registry_url, registry_token or None, router_url or None, (api_key or "").split(",")[0]
+                         or None, interval, once, max_requests)
     try:
-        code = asyncio.run(_run(registry_url, registry_token or None, router_url or None, interval, once, console))
+        code = asyncio.run(_run(options, console))
     except KeyboardInterrupt:
         code = 0
     except ValueError as e:  # a token that cannot travel in a header (check_token)

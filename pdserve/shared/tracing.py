@@ -179,10 +179,11 @@ def span(name: str, parent: Any = None, attributes: Mapping[str, Any] | None = N
     return _span(name, parent, attributes, kind)
 
 
-def event(span: Any, name: str, attributes: Mapping[str, Any] | None = None) -> None:
-    """A timestamped event on ``span`` (a preemption, the first token); no-op for None."""
+def event(span: Any, name: str, attributes: Mapping[str, Any] | None = None, at_s: float | None = None) -> None:
+    """A timestamped event on ``span`` (a preemption, the first token; ``at_s``: unix seconds, default now); no-op
+    for None."""
     if span is not None and span.is_recording():
-        span.add_event(name, _clean(attributes))
+        span.add_event(name, _clean(attributes), timestamp=None if at_s is None else int(at_s * 1e9))
 
 
 def set_attributes(span: Any, attributes: Mapping[str, Any]) -> None:

@@ -306,7 +306,8 @@ def test_unreachable_registry_gets_503(redis_url, processor, pods, worker):
 
 SUPPORTED = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}",
              "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics", "GET /version",
-             "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"]
+             "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+             "GET /v1/pdserve/requests"]
 
 
 @pytest.mark.parametrize("method,path", [("GET", "/v1/nothing"), ("POST", "/v1/embeddings"),

@@ -4,6 +4,7 @@ deltas behind the rolling TTFT, against percentiles computed by hand."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -14,14 +15,19 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from pydantic import SecretStr
 
+from pdserve.loadtest.sse import read_chunks
 from pdserve.services.registry.app import create_app as create_registry_app
+from pdserve.services.router.settings import RouterSettings
 from pdserve.services.registry.settings import RegistrySettings
 from pdserve.services.top import TTFT, Frame, command, latency_rows, parse_metrics
 from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest
 from pdserve.shared.protocol.registry import PodInfo
 from pdserve.shared.worker.metrics import WorkerMetrics
+from pdserve.shared.worker.output_writer import OutputWriter
 
-from router_harness import ThreadServer, free_port
+from router_harness import ThreadServer, free_port, start_router
+from test_disconnect import wait_until
 
 
 def metrics_server(metrics: WorkerMetrics) -> ThreadServer:
@@ -138,3 +144,81 @@ def test_rolling_ttft_is_the_percentile_of_the_window():
     assert (source, metric, h.quantile(0.5)) == ("router", "TTFT", pytest.approx(0.3))
     # an observation above the last finite bound is reported at that bound, as histogram_quantile does
     assert parse_metrics(_page([5.0])).histograms[TTFT].quantile(0.5) == pytest.approx(0.8)
+
+
+def _read_entry(r, stream: str, group: str, consumer: str) -> PrefillRequest:
+    """Takes the next entry of ``stream`` as a worker would (it stays pending with ``consumer``)."""
+    try:
+        r.xgroup_create(stream, group, id="0", mkstream=True)
+    except Exception:
+        pass  # BUSYGROUP
+    [(_, [(_, fields)])] = r.xreadgroup(group, consumer, {stream: ">"}, count=1, block=5000)
+    return PrefillRequest.decode(fields)
+
+
+def test_once_lists_each_request_in_flight_with_its_phase(redis_url, registry_url, processor, pods, redis_client,
+                                                          prompt_of):
+    """Five streamed requests held at known points of their way, played by hand on Redis as the workers would:
+    one waiting in the prefill queue; one whose entry a prefill worker took; one whose first token the prefill pod
+    sent (the KV hand-over); one with three tokens from the decode pod; a short prompt prefilled by the decode pod
+    itself with one token. The frame's request rows are what was set up, and what GET /v1/pdserve/requests says."""
+    settings = RouterSettings(redis_url=redis_url, registry_url=registry_url, registry_cache_s=0.0,
+                              local_prefill_threshold=100, migration_stall_s=0, prefill_stall_s=0)
+    server = start_router(settings, processor, pods)
+    writer = OutputWriter(redis_client)
+    clients: list[threading.Thread] = []
+    relayed: dict[str, list[str]] = {}
+
+    def send(name: str, n_prompt: int) -> None:
+        def run() -> None:
+            body = {"model": "smollm2-135m-instruct", "prompt": prompt_of(n_prompt), "max_tokens": 50,
+                    "stream": True}
+            try:
+                with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                                  headers={"X-Request-Id": name}, timeout=30) as resp:
+                    for chunk in read_chunks(resp.iter_lines()):
+                        relayed.setdefault(name, []).append(chunk["choices"][0]["text"])
+            except httpx.HTTPError:
+                pass  # the router stopped under it: the end of the test
+        clients.append(threading.Thread(target=run, daemon=True))
+        clients[-1].start()
+
+    def emit(req: PrefillRequest, count: int) -> None:
+        for i in range(count):
+            writer.write(OutputEvent(req.request_id, 0, [1000 + i], f" t{i}", prompt_tokens=len(req.prompt_token_ids),
+                                     completion_tokens=i + 1))
+        assert wait_until(lambda: len(relayed.get(req.request_id.split("-")[1], [])) >= count)
+
+    try:
+        taken = {}
+        for name in ("prefilling", "transferring", "decoding"):
+            send(name, 120)
+            taken[name] = _read_entry(redis_client, keys.PREFILL_STREAM, keys.PREFILL_GROUP, "prefill-0")
+        emit(taken["transferring"], 1)
+        emit(taken["decoding"], 3)
+        send("local", 20)
+        local = _read_entry(redis_client, keys.decode_stream("decode-0"), keys.DECODE_GROUP, "decode-0")
+        emit(local, 1)
+        send("queued", 120)
+        assert wait_until(lambda: redis_client.xlen(keys.PREFILL_STREAM) == 4)
+        result = CliRunner().invoke(command, ["--once", "--registry-url", registry_url, "--router-url", server.url])
+        truth = httpx.get(server.url + "/v1/pdserve/requests", timeout=10).json()["data"]
+    finally:
+        server.stop()
+        for t in clients:
+            t.join(10)
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.output, "requests:")
+    assert "requests: 1 queued, 1 prefill, 1 transfer, 2 decode" in result.output
+    want = [  # id, choice, phase, prompt tokens, output tokens, prefill, pod, migrations (oldest first)
+        ["cmpl-prefilling", "0", "prefill", "120", "0", "remote", "prefill-0", "0"],
+        ["cmpl-transferring", "0", "transfer", "120", "1", "remote", "decode-0", "0"],
+        ["cmpl-decoding", "0", "decode", "120", "3", "remote", "decode-0", "0"],
+        ["cmpl-local", "0", "decode", "20", "1", "local", "decode-0", "0"],
+        ["cmpl-queued", "0", "queued", "120", "0", "remote", "decode-0", "0"],
+    ]
+    assert [r[:3] + r[4:] for r in rows] == want
+    assert [[t["id"], str(t["index"]), t["phase"], str(t["prompt_tokens"]), str(t["output_tokens"]), t["prefill"],
+             t["pod"], str(t["migrations"])] for t in truth] == want
+    ages = [float(r[3]) for r in rows]
+    assert ages == sorted(ages, reverse=True) and 0 <= ages[-1] and ages[0] < 30

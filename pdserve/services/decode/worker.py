@@ -237,7 +237,7 @@ class DecodeWorker(Worker):
         """Admit entries read from this pod's own stream in one engine call (the next step prefills them together,
         not one per step), then acknowledge them."""
         try:
-            await self._admit_all([fields for _, fields in messages])
+            await self._admit_all([fields for _, fields in messages], [keys.enqueued_at(i) for i, _ in messages])
             ids = [msg_id for msg_id, _ in messages]
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.xack(stream, keys.DECODE_GROUP, *ids)
@@ -249,13 +249,17 @@ class DecodeWorker(Worker):
     async def _admit(self, fields) -> None:
         await self._admit_all([fields])
 
-    async def _admit_all(self, entries: list) -> None:
+    async def _admit_all(self, entries: list, enqueued: list[float] | None = None) -> None:
         """Admit local queue entries into the engine in one call between two steps. Malformed entries are dropped
-        with a log line, bad sampling params and requests the engine refuses get a 400, aborted ones are skipped."""
+        with a log line, bad sampling params and requests the engine refuses get a 400, aborted ones are skipped.
+        ``enqueued``: when each entry was added (unix s), for its ``queue`` span; None: not known."""
         reqs: list[PrefillRequest] = []
-        for fields in entries:
+        queued_at: dict[str, float] = {}
+        for i, fields in enumerate(entries):
             try:
                 reqs.append(PrefillRequest.decode(fields))
+                if enqueued is not None:
+                    queued_at[reqs[-1].request_id] = enqueued[i]
             except BadSamplingParams as exc:
                 if not await self.is_aborted(exc.request_id):
                     await self._fail(exc.request_id, str(exc))
@@ -268,7 +272,12 @@ class DecodeWorker(Worker):
                 pipe.exists(keys.aborted_key(req.request_id))
             aborted = await pipe.execute()
         reqs = [req for req, gone in zip(reqs, aborted) if not gone and req.request_id not in self.aborted]
+        now = time.time()
         for req in reqs:
+            if req.request_id in queued_at:
+                tracing.record("queue", req.traceparent, queued_at[req.request_id], now, {
+                    "messaging.system": "redis", "messaging.destination.name": keys.decode_stream(self.settings.pod_id),
+                    "pdserve.pod": self.settings.pod_id}, kind="consumer")
             span = tracing.start("decode", req.traceparent, {"pdserve.pod": self.settings.pod_id,
                                                              "pdserve.prefill": "local",
                                                              "gen_ai.usage.input_tokens": req.prompt_tokens})

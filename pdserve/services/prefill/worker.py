@@ -258,7 +258,7 @@ class PrefillWorker(Worker):
                 await self._ack(msg_id)
             return None  # else our own reclaim loop delivered the entry we hold
         self._admitting[req.request_id] = msg_id  # no await between the check and this
-        tracing.record("queue", req.traceparent, enqueued_at(msg_id), time.time(), {
+        tracing.record("queue", req.traceparent, keys.enqueued_at(msg_id), time.time(), {
             "messaging.system": "redis", "messaging.destination.name": keys.PREFILL_STREAM,
             "pdserve.pod": self.settings.pod_id}, kind="consumer")
         return req
@@ -356,7 +356,7 @@ class PrefillWorker(Worker):
         for out in outputs:
             span = tracked.get(out.request_id)
             tracing.event(span, "first_token")
-            tracing.end(span, {"gen_ai.usage.cached_input_tokens": getattr(out, "num_cached_tokens", None)})
+            tracing.end(span, {"gen_ai.usage.cache_read.input_tokens": getattr(out, "num_cached_tokens", None)})
         for out in outputs:
             rid = out.request_id
             if rid not in tracked or rid not in self.inflight:
@@ -433,12 +433,6 @@ def delivered_entry(fields, now: float) -> tuple[str | None, float]:
     except Exception:  # a malformed entry: dropped with a log line by _check_entry
         return None, now
     return req.request_id, min(now, req.arrival_time or now)
-
-
-def enqueued_at(entry_id) -> float:
-    """When a Redis stream entry was added (unix s): its id is ``<milliseconds>-<sequence>``."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-    return int(text.split("-", 1)[0]) / 1000
 
 
 def describe(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ import httpx
 from redis.exceptions import RedisError
 
 from pdserve.shared import tracing
+from pdserve.shared.protocol import keys
 
 from .dispatch import ChoiceSpec
 from .errors import OpenAIError
@@ -157,6 +158,7 @@ class Migrator:
         route.request_id, route.pod_id = new_id, placement.pod.pod_id
         route.pod_health_url = health_url(placement.pod)
         route.queue_stream, route.queue_entry, route.queued_at, route.vanished = stream, entry, time.monotonic(), False
+        route.remote_prefill, route.placed_tokens = stream == keys.PREFILL_STREAM, sent
         route.pod_started_at = getattr(placement.pod, "started_at", None)
         route.pod_stopped = route.pod_wait_logged = False
         tracing.event(getattr(self.job, "span", None), "migration", {

@@ -204,14 +204,17 @@ class ResponsesService:
             await self.redis.set(keys.response_key(response["id"]), json.dumps(record), ex=self.ttl_s)
 
     async def create(self, req: ResponsesRequest, api_key_id: str | None = None,
-                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> Response:
+                     is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                     traceparent: str | None = None) -> Response:
+        """Serve one Responses request as a chat completion (``traceparent``: the client's W3C trace context, which
+        the request's trace joins, as on ``/v1/chat/completions``)."""
         response_id, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         history = (await self.load(req.previous_response_id, "previous_response_id"))["messages"] \
             if req.previous_response_id else []
         chat = to_chat(req, history, response_id)
         conversation = [m.model_dump(exclude_none=True) for m in chat.messages
                         if not (req.instructions and m is chat.messages[0])]
-        job = await self.service.submit(chat, "chat", api_key_id=api_key_id)
+        job = await self.service.submit(chat, "chat", api_key_id=api_key_id, traceparent=traceparent)
         if req.stream:
             events = ResponseEvents(req, response_id, created)
             return delivery.ClosingEventSource(

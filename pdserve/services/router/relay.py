@@ -64,6 +64,8 @@ class ChoiceRoute:
     queue_stream: str = ""  # where its request waits for a worker (cleared once a decode pod holds it)
     queue_entry: str = ""  # its entry id there
     queued_at: float = field(default_factory=time.monotonic)
+    remote_prefill: bool = True  # its current placement prefills on the prefill tier (else on its decode pod)
+    placed_tokens: int = 0  # len(token_ids) when it was last placed (0, or the tokens relayed before a migration)
     vanished: bool = False  # the watch found its entry and state gone once (prefill_watch.py)
     pod_stopped: bool = False  # its decode pod's /health took the connection and did not answer (migration.py)
     pod_wait_logged: bool = False  # the migrator said once that it waits for that pod

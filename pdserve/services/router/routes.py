@@ -11,10 +11,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 
 from pdserve.shared.protocol import keys
 
-from . import errors
+from . import errors, inflight
 from .openai_responses import ResponsesRequest, ResponsesService
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .serving import CompletionService, GenerationRequest, RouterState
@@ -88,6 +89,18 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@router.get("/v1/pdserve/requests")
+async def requests_in_flight(request: Request) -> dict[str, Any]:
+    """The requests this router is serving, one entry per choice with its phase (inflight.py; ``pdserve top``).
+    503 when Redis does not answer (the phases of waiting choices are read there)."""
+    st = _state(request)
+    try:
+        choices = await asyncio.wait_for(st.jobs.snapshot(st.redis), HEALTH_TIMEOUT_S)
+    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        raise errors.redis_unavailable(exc, st.settings.retry_after_s) from exc
+    return inflight.as_json(choices)
+
+
 # ---- tokenizer endpoints (vLLM's shapes) ---------------------------------------------------------------
 
 @router.post("/tokenize")
@@ -129,7 +142,8 @@ def _responses(request: Request) -> ResponsesService:
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
     return await _responses(request).create(body, api_key_id=getattr(request.state, "api_key_id", None),
-                                            is_disconnected=request.is_disconnected)
+                                            is_disconnected=request.is_disconnected,
+                                            traceparent=request.headers.get("traceparent"))
 
 
 @router.get("/v1/responses/{response_id}")

@@ -29,6 +29,7 @@ from .admission import Admission
 from .dispatch import ChoiceSpec, Dispatcher
 from .drain import Drain
 from .errors import OpenAIError
+from .inflight import JobTable
 from .metrics import ChoiceTiming, RouterMetrics
 from .migration import Migrator, health_url
 from .output_streams import OutputStreams
@@ -68,6 +69,7 @@ class RouterState:
     http: httpx.AsyncClient | None = None
     # one XREAD for every relay's output streams (output_streams.py); None: each relay reads Redis itself
     output_streams: OutputStreams | None = None
+    jobs: JobTable = field(default_factory=JobTable)  # the jobs being served (GET /v1/pdserve/requests)
 
     @property
     def active(self) -> int:
@@ -194,6 +196,7 @@ class CompletionService:
             job = self.new_job(req, kind, plan, response_id, client_chose, arrival_wall, arrival)
             job.span = span
             st.admission.admit(job.waiting)
+            st.jobs.add(job)
         st.metrics.running.inc()
         cache_salt = tenant_cache_salt(req.cache_salt, api_key_id) if self.settings.cache_salt_per_api_key \
             else req.cache_salt
@@ -270,7 +273,7 @@ class CompletionService:
         job.routes.extend(ChoiceRoute(c.request_id, pod.pod_id, c.prompt_token_ids, c.sampling_params,
                                       c.cache_salt, c.priority, pod_health_url=health_url(pod),
                                       pod_started_at=getattr(pod, "started_at", None),
-                                      queue_stream=sent.stream, queue_entry=entry)
+                                      queue_stream=sent.stream, queue_entry=entry, remote_prefill=not local)
                           for c, entry in zip(sent.requests, sent.entries))
         self.state.metrics.pd_decisions.labels(self.settings.served_name, "local" if local else "remote",
                                                sent.placement.why or "default").inc(n)
@@ -289,6 +292,7 @@ class CompletionService:
         job.closed = True
         st = self.state
         self.end_span(job, aborted, reason)
+        st.jobs.remove(job)
         with anyio.CancelScope(shield=True):
             st.admission.release(job.waiting)
             st.metrics.running.dec()

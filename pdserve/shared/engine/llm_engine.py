@@ -35,6 +35,7 @@ from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.spec_decode.draft_model import draft_kv_bytes_per_block
 from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder, split_logits_rows
+from pdserve.shared.engine.step_log import StepLog
 from pdserve.shared.engine.stats import EngineCounters, kv_and_scheduler_stats
 from pdserve.shared.engine.structured_output import StructuredOutputManager
 from pdserve.shared.engine.swap import SwapManager
@@ -84,6 +85,7 @@ class LLMEngine:
         self.prefill_export = PrefillExport(self.scheduler, self.kv_manager, self.kv_cache)
         self.decode_import = DecodeImport(self.scheduler, self.kv_manager, self.kv_cache)
         self.stats = EngineCounters()
+        self.step_log: StepLog | None = None  # what each step ran, for tracing; a worker sets one when tracing is on
         logger.info("engine ready: %s %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, backend %s, "
                     "CUDA graphs %s", mc.model_type, str(self.dtype).removeprefix("torch."), plan.num_blocks - 1,
                     config.block_size, plan.num_blocks * self.kv_spec.bytes_per_block / 2**20, self.max_model_len,
@@ -175,7 +177,14 @@ class LLMEngine:
     # the step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return outputs for every request that progressed.
-        The outputs are snapshots: later steps never change them, so another thread may read them."""
+        The outputs are snapshots: later steps never change them, so another thread may read them. With a
+        ``step_log``, the step's prefill chunks and preemptions are recorded there (tracing)."""
+        outputs = self._step()
+        if self.step_log is not None:
+            self.step_log.end()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         for request in self.structured.take_ready():
             if request.status == RequestStatus.RUNNING:  # committed from a hand-over: its KV is all there
                 self.scheduler.add_running(request)
@@ -184,6 +193,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.step_log is not None:
+            self.step_log.begin(out)
         if out.is_empty:
             self.structured.wait_any(0.05)  # nothing to run but grammars compiling: no busy loop
             if self.kv_manager.loads:

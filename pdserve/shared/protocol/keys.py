@@ -77,3 +77,9 @@ def redact_url(url: str) -> str:
     user = f"{parts.username}:" if parts.username else ":"
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
+
+
+def enqueued_at(entry_id: bytes | str) -> float:
+    """When a Redis stream entry was added (unix s): its id is ``<milliseconds>-<sequence>``."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return int(text.split("-", 1)[0]) / 1000

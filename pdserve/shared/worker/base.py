@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.shared import tracing
 from pdserve.shared.engine.llm_engine import LLMEngine
+from pdserve.shared.engine.step_log import StepLog
 from pdserve.shared.models.tensor_parallel import TPShard
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import OutputEvent
@@ -42,6 +43,7 @@ from pdserve.shared.worker.kv_publisher import KVEventPublisher
 from pdserve.shared.worker.metrics import WorkerMetrics
 from pdserve.shared.worker.output_writer import OutputWriter
 from pdserve.shared.worker.settings import WorkerSettings
+from pdserve.shared.worker.step_spans import trace_steps
 from pdserve.shared.worker.tracked import Tracked
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,8 @@ class Worker:
             torch.set_num_threads(self.settings.num_threads)
         self.engine = await asyncio.to_thread(LLMEngine, self.settings.engine_config())
         self.on_engine_built()
+        if tracing.enabled():  # prefill chunks and preemptions become spans and events (step_spans.py)
+            self.engine.step_log = StepLog()
         if self.freeze_gc_after_start:
             # What start-up built (torch, transformers, the model, the tokenizer) lives as long as the process: keep
             # it out of the collector's generations, as vLLM does after start-up. Full collections while serving
@@ -175,7 +179,9 @@ class Worker:
         stats = self.engine.get_stats()
         extra = self.on_outputs_engine_thread(outputs)
         self._drain_kv_events()
-        self.loop.call_soon_threadsafe(self._outputs.put_nowait, (outputs, stats, extra))
+        log = getattr(self.engine, "step_log", None)
+        steps = log.take() if log is not None else ()
+        self.loop.call_soon_threadsafe(self._outputs.put_nowait, (outputs, stats, extra, steps))
 
     def _drain_kv_events(self) -> None:
         # engine thread; also called from the heartbeat, since reserve/commit/abort change the cache between steps
@@ -204,10 +210,12 @@ class Worker:
 
     async def _publish_loop(self) -> None:
         while True:
-            outputs, stats, extra = await self._outputs.get()
+            outputs, stats, extra, steps = await self._outputs.get()
             self.stats = stats
             self.metrics.update_from_stats(stats)
             try:
+                if steps:  # before the outputs: a request's last chunk ends its span's step there
+                    trace_steps(self.requests, steps)
                 await self.handle_outputs(outputs, extra)
             except Exception:
                 logger.exception("handling outputs failed")
