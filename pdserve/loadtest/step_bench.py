@@ -137,10 +137,10 @@ def run_round(engine, floor: Floor, rec: StepRecorder, batch: int, seed: int, pr
     prefill, decode = [], []
     try:
         while _prefilling(engine):
-            before = engine.get_stats()["prompt_tokens_computed"]
+            before = engine.get_stats().prompt_tokens_computed
             cpu, wall = _timed_step(engine)
             rows, sample = rec.last()
-            prompt = engine.get_stats()["prompt_tokens_computed"] - before
+            prompt = engine.get_stats().prompt_tokens_computed - before
             fcpu, fwall = floor.run(rows, sample)
             prefill.append({"rows": rows, "sample_rows": sample, "prompt_tokens": prompt, "cpu": cpu, "wall": wall,
                             "floor_cpu": fcpu, "floor_wall": fwall, "flops": floor.flops(rows, sample)})

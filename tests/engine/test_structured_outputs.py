@@ -136,7 +136,7 @@ def test_greedy_answers_under_recompute_preemption_equal_the_unpreempted_ones(ll
     tiny = LLM("smollm2-135m-instruct", dtype="float32", num_kv_blocks=7, max_model_len=96,
                preemption_mode="recompute", enable_prefix_caching=False)
     got = tiny.generate(prompts, params)
-    assert tiny.get_stats()["num_preemptions"] > 0
+    assert tiny.get_stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == want
     for name, out in zip(names, got):
         if out.outputs[0].finish_reason == "stop":
@@ -158,4 +158,4 @@ def test_under_ngram_speculation_a_grammar_request_decodes_without_drafts_and_eq
     got = spec.generate([guided, copy], params)
     assert [o.outputs[0].token_ids for o in got] == want
     jsonschema.validate(json.loads(got[0].outputs[0].text), SCHEMAS["person"])
-    assert spec.get_stats()["spec_decode_num_draft_tokens"] > 0
+    assert spec.get_stats().spec_decode_num_draft_tokens > 0

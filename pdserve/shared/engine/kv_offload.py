@@ -25,7 +25,7 @@ import struct
 import time
 import zlib
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -315,13 +315,10 @@ class KVOffloadManager:
         """Every block hash per tier now (``cpu``, ``disk``)."""
         return {"cpu": self.cpu.hashes(), "disk": self.disk.hashes() if self.disk is not None else []}
 
-    def get_stats(self) -> dict:
-        """``kv_offload_<tier>_<stat>`` for every ``TierStats`` field of both tiers (a missing disk tier: zeros)."""
-        out = {}
-        for name, tier in (("cpu", self.cpu), ("disk", self.disk)):
-            stats = asdict(tier.stats) if tier is not None else asdict(TierStats())
-            out.update({f"kv_offload_{name}_{k}": v for k, v in stats.items()})
-        return out
+    def tier_stats(self) -> dict[str, TierStats]:
+        """A copy of both tiers' ``TierStats``, by tier name (a missing disk tier: zeros)."""
+        return {name: replace(tier.stats) if tier is not None else TierStats()
+                for name, tier in (("cpu", self.cpu), ("disk", self.disk))}
 
 
 def build_offload(config, model_dir: str, kv_spec, kv_cache) -> KVOffloadManager | None:
