@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 
-import pytest
 import torch
 
 from pdserve.shared.engine.kv_offload import CPUTier, DiskTier, KVOffloadManager
