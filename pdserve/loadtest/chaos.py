@@ -9,7 +9,7 @@ sent, completed, failed with a clear error (an OpenAI error body or error chunk 
 (no answer, a broken stream, a 5xx without an error body — must be 0), leaked (what pods, Redis and routers
 still hold once the ensemble is quiet, beyond what they held before: ``faults.leaks``; "-" where not measured),
 wrong (a completed greedy answer that differs from the uninterrupted run's, or duplicated/missing tokens) and
-the p99 latency of the completed requests. Then the fault rows of issue 12's items 1 and 6-11
+the p99 latency of the completed requests. Then the fault rows 1 and 6-11
 (``pdserve/loadtest/faults.py``: a full decode KV cache, Redis losing its data, the router's SIGTERM, the registry and
 router killed under ``pdserve up``, a SIGSTOPped prefill worker, a KV port that never answers, a prompt list
 under admission limits). The last row is the 10x overload of ``pdserve/loadtest/overload.py`` (sustainable rate

@@ -1,4 +1,4 @@
-"""The fault rows of ``pdserve bench chaos`` for issue 12's items 1 and 6-11, and the leak check every row ends with.
+"""The fault rows of ``pdserve bench chaos`` (rows 1 and 6-11, numbered as the fault list they came from), and the leak check every row ends with.
 
 Each scenario injects one fault into a real ensemble (``faultkit.Cluster``, or ``pdserve up`` itself for item 8),
 sends requests to 127.0.0.1 only, and gives every request a bound: one with no answer within it counts as lost.

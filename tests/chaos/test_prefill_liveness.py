@@ -1,4 +1,4 @@
-"""Requests never wait on a prefill worker that stopped, nor on queue state that Redis lost (issue 12.6, 12.9):
+"""Requests never wait on a prefill worker that stopped, nor on queue state that Redis lost:
 real processes (the children ``pdserve up`` starts: 2 prefill workers, 1 decode worker, router, registry), a
 real redis-server without persistence that this module owns, the real model.
 

@@ -1,9 +1,9 @@
 """Preemption and the ensemble's counters, through ``pdserve up`` (real redis-server, registry, router, one prefill
 and one decode worker) with a decode KV pool small enough that an ``n=8`` request beside a greedy one preempts.
 
-Oracles: the offline ``LLM`` with room to spare (no preemption) for the seeded and greedy texts (issue 12.B); for
+Oracles: the offline ``LLM`` with room to spare (no preemption) for the seeded and greedy texts; for
 the counters, what the API returned to the clients: every counter summed over every pod's ``/metrics`` must equal
-the sum of the responses' usage and finish reasons (issue 17 "Done when"), and a preempted request's recompute
+the sum of the responses' usage and finish reasons, and a preempted request's recompute
 never counts as a prefix-cache hit (17.2) nor does one cached token count on two tiers (17.3).
 """
 

@@ -1,4 +1,4 @@
-"""Seeded and greedy output do not depend on preemption (issue 12.B), and preemption is visible in the stats.
+"""Seeded and greedy output do not depend on preemption, and preemption is visible in the stats.
 
 Oracle: the same engine given room to spare (no preemption). Sampling uses ``top_k`` so that the float noise
 of a different batch shape (a recompute prefills what was decoded one token at a time) cannot move a draw

@@ -1,4 +1,4 @@
-"""A seeded request samples the same tokens whatever runs beside it (issue 12, item 1's follow-up).
+"""A seeded request samples the same tokens whatever runs beside it.
 
 Oracle: the same seeded requests run on their own. Sampling is over the whole vocabulary at temperature 1
 (top_k=-1, top_p=1), where fp32 noise matters most: another batch shape (other neighbours, another order), a

@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 14): N rank processes split the heads; outputs equal the single-process engine's.
+"""Tensor parallelism: N rank processes split the heads; outputs equal the single-process engine's.
 
 Oracles: the TP=1 engine on the same model in fp32 (greedy tokens, seeded ``n > 1`` samples, speculative decoding's
 greedy tokens, and per-step logits within fp32 tolerance: the ranks' partial sums add in another order), and the
@@ -169,7 +169,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.mark.slow
 def test_idle_tp3_engine_serves_after_twice_the_timeout_and_a_stopped_rank_fails_the_step(tmp_path, model_dir):
-    # issue 24: the ranks waited for rank 0's next order under PDSERVE_TP_TIMEOUT_S, so an engine idle that long
+    # the ranks waited for rank 0's next order under PDSERVE_TP_TIMEOUT_S, so an engine idle that long
     # lost them and the next generate raised TPRankDied. A rank that hangs inside a step must still fail it.
     import json
     import subprocess

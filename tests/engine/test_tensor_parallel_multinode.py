@@ -1,4 +1,4 @@
-"""Multi-node tensor parallelism (issue 14): the ranks of one engine in separate OS processes ("nodes") that meet
+"""Multi-node tensor parallelism: the ranks of one engine in separate OS processes ("nodes") that meet
 through the leader's rendezvous over TCP on localhost, as a LeaderWorkerSet's pods do through the leader's address.
 
 Oracles: the single-process engine's greedy tokens on the same random Llama (fp32); the exact one-line errors of a

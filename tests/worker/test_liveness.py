@@ -1,4 +1,4 @@
-"""A worker's liveness never waits for its engine (issue 12.C): the registry heartbeat is built on the worker's
+"""A worker's liveness never waits for its engine: the registry heartbeat is built on the worker's
 own loop while one engine step runs for as long as it must; only an engine that makes no progress for
 ``engine_stall_s`` stops the heartbeat and turns ``/health`` to 503 -- and it comes back when the step ends.
 
@@ -96,7 +96,7 @@ def test_heartbeat_does_not_wait_for_a_long_step_and_a_stuck_engine_stops_it(red
 def test_a_prefill_pod_prefills_a_long_prompt_in_bounded_steps_and_an_abort_between_them_frees_it(
         model_dir, tmp_path):
     """The prefill pod's default step budget bounds what an abort (or a stats call, or a new request) waits for:
-    one 2048-token chunk, not a whole long prompt (issue 12.C). A random 2-layer Llama keeps the chunk cheap; the
+    one 2048-token chunk, not a whole long prompt. A random 2-layer Llama keeps the chunk cheap; the
     budget, not the model, bounds the step."""
     from pdserve.services.prefill.worker import PrefillSettings
     from pdserve.shared.engine.llm_engine import LLMEngine

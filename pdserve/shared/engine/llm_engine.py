@@ -181,7 +181,7 @@ class LLMEngine:
             self.structured.wait_any(0.05)  # nothing to run but grammars compiling: no busy loop
             # A step can preempt every running request and schedule nothing (the pool held by reservations): its
             # swap-outs must still happen, or the swapped request resumes from CPU blocks that never received
-            # its KV (issue 12.B: a seeded choice's text changed under swap).
+            # its KV (otherwise a seeded choice's text changed under swap).
             self.kv_cache.swap_out(out.blocks_to_swap_out)
             return []
         self.stats.count_scheduled(out)
