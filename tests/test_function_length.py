@@ -1,4 +1,4 @@
-"""Code rule: no function in pdserve/services/ or pdserve/shared/ is longer than 80 lines (issue 16).
+"""Code rule: no function in pdserve/services/ or pdserve/shared/ is longer than 80 lines.
 
 A long function is usually several jobs in one; the limit keeps each one readable at a glance, as
 nano-vllm's. Counted from the ``def`` line to the last line of the body, decorators excluded.

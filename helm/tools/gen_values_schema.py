@@ -63,6 +63,16 @@ def speculative_config_schema() -> dict:
 
 SPEC = speculative_config_schema()
 
+
+def kv_transfer_config_schema() -> dict:
+    """vLLM's kv_transfer_config for prefill and decode pods ({} = tcp): the fields ``KVTransferConfig`` reads, the
+    connectors ``KVConnectorFactory`` registers but ``loopback`` (in-process, for tests), vLLM's ``kv_role``s."""
+    from pdserve.shared.transport.connector import KV_ROLES, KVConnectorFactory
+
+    return obj({"kv_connector": {"enum": [n for n in KVConnectorFactory.names() if n != "loopback"]},
+                "kv_role": {"enum": list(KV_ROLES)}, "kv_connector_extra_config": {"type": "object"}},
+               description="vLLM's kv_transfer_config for prefill and decode pods (--kv-transfer-config); {} = tcp")
+
 def tier(extra_props=None, replicas=True, pdb=True, gpu=False):
     p = {
         "port": PORT,
@@ -151,6 +161,7 @@ schema = {
                         "prefillTokensPerS": POS}),
         "logLevel": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error", "critical"]},
         "extraEnv": {"$ref": "#/$defs/env"},
+        "kvTransferConfig": kv_transfer_config_schema(),
         "secrets": obj({"apiKeys": {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": "^[^,]+$"}},
                         "kvTransferSecret": S,
                         # sent in an HTTP header: visible ASCII, no spaces (empty: generated)

@@ -17,7 +17,7 @@ Steps:
 3. decode bandwidth: bytes of K and V read (sum of context lengths x kv heads x head_dim x 2 x
    element size) / time, next to the card's peak HBM bandwidth (vendor data sheets, table below) and
    the bandwidth of a 2 GiB device-to-device copy measured at start (``measure_copy_bandwidth``);
-   issue 6's target is >= 70 % of the data sheet at batch 64 x 4,096-token contexts.
+   the target is >= 70 % of the data sheet at batch 64 x 4,096-token contexts.
 4. engine: ``pdserve.LLM`` with the default model, ``attention_backend="triton"`` and ``"torch"``,
    output tokens per second (skipped with a note if the engine cannot be imported or loaded).
 Exit status 1 if any correctness check fails.

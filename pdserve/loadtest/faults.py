@@ -1,6 +1,6 @@
-"""The fault rows of ``pdserve bench chaos`` for issue 12's items 1 and 6-11, and the leak check every row ends with.
+"""The fault rows of ``pdserve bench chaos`` (rows 1 and 6-11, numbered as the fault list they came from), and the leak check every row ends with.
 
-Each scenario injects one fault into a real ensemble (``chaos.Cluster``, or ``pdserve up`` itself for item 8),
+Each scenario injects one fault into a real ensemble (``faultkit.Cluster``, or ``pdserve up`` itself for item 8),
 sends requests to 127.0.0.1 only, and gives every request a bound: one with no answer within it counts as lost.
 After each row, once the ensemble is quiet, :func:`leaks` compares what the pods, Redis and the routers still
 hold with what they held before the fault (``leaked`` column):
@@ -33,8 +33,9 @@ import httpx
 import redis as redis_sync
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.loadtest import chaos
-from pdserve.loadtest.chaos import Cluster, Outcome, Tally, completion, prompts, wait_for
+from pdserve.loadtest import faultkit
+from pdserve.loadtest.faultkit import Cluster, Outcome, Tally, completion, prompts, wait_for
+from pdserve.services import up
 from pdserve.shared.protocol import keys
 
 POD_COUNTERS = ("kv_blocks_used", "kv_active_leases", "num_running", "num_waiting", "requests_tracked")
@@ -162,7 +163,7 @@ def lost_note(outcomes: list[Outcome]) -> str:
 
 
 def outcome_notes(outcomes: list[Outcome]) -> str:
-    return note(chaos.errors_note(outcomes), lost_note(outcomes))
+    return note(faultkit.errors_note(outcomes), lost_note(outcomes))
 
 
 async def wait_ready(url: str, timeout_s: float) -> float | None:
@@ -479,7 +480,7 @@ class UpProcess:
 
     def __init__(self, log_dir: Path, env: dict[str, str], *args: str, timeout_s: float = 600.0) -> None:
         self.log_dir, self.env, self.args, self.timeout_s = Path(log_dir), env, list(args), timeout_s
-        self.port = chaos.up.free_port()
+        self.port = up.free_port()
         self.token = os.urandom(16).hex()
         self.proc: subprocess.Popen | None = None
         self.seen: set[int] = set()  # every child pid, to clean up after
@@ -627,13 +628,13 @@ def measured(probe: Callable[[], Probe], item: str, scenario: Callable[[], Await
     tally.leaked = leak_text(found)
     if found:
         tally.failures.append("leaked")
-    echo(chaos.table([tally]) + f"\n({time.monotonic() - started:.0f} s)")
+    echo(faultkit.table([tally]) + f"\n({time.monotonic() - started:.0f} s)")
     return tally
 
 
 def run(items: set[str], n: int, log_dir: Path, echo: Callable[[str], None], bound_s: float = 90.0,
         settle_s: float = 20.0, max_queued: int = 16, kv_cache_memory: str = "12MiB") -> list[Tally]:
-    """The fault rows of ``items`` (a subset of :data:`ITEMS`), on two ``chaos.Cluster``s (1 prefill + 1 decode
+    """The fault rows of ``items`` (a subset of :data:`ITEMS`), on two ``faultkit.Cluster``s (1 prefill + 1 decode
     worker with a ``kv_cache_memory`` decode pool; the same for Redis, last) and one ``pdserve up``."""
     tallies: list[Tally] = []
     # bfloat16: these rows count answers, not compare texts, and bf16 runs 3-5x faster on CPU

@@ -1,4 +1,4 @@
-"""KV-aware routing vs round-robin on a multi-turn chat workload (issue 4's benchmark; prints figures).
+"""KV-aware routing vs round-robin on a multi-turn chat workload (prints figures).
 
 Workload: one system prompt (``--system-tokens``, default 1,000) shared by every user; ``--users`` users
 chat concurrently (user k starts ``k x --user-interval-s`` in), each ``--turns`` turns in sequence (turn k+1 carries the whole conversation so far,

@@ -56,7 +56,7 @@ def run_pdserve(prompts, outputs, dtype, kv_tokens: int) -> dict:
     elapsed = time.perf_counter() - start
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     assert tokens == sum(outputs), "pdserve did not produce the requested number of tokens"
-    stats = llm.get_stats()
+    stats = llm.get_stats().as_dict()
     return {"seconds": elapsed, "output_tokens": tokens, "stats": stats}
 
 

@@ -23,7 +23,7 @@ admitted (completed) requests' end-to-end time and time to first token, p50/p99.
 process's RSS (psutil, the process and its children, every ``interval_s``) and Redis ``INFO memory``
 ``used_memory``: before the 10x phase, the peak in each half of it (growth from the first half to the second is
 what unbounded memory looks like), and after the admitted requests drained. Afterwards every process must be
-alive and nothing may be left behind (``chaos.leftovers``).
+alive and nothing may be left behind (``faultkit.leftovers``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ import click
 import httpx
 import psutil
 
-from pdserve.loadtest import chaos
+import redis as redis_sync
+
+from pdserve.loadtest import faultkit
 from pdserve.loadtest.arrivals import arrival_times
 
 MIB = 1024 * 1024
@@ -62,7 +64,7 @@ class Phase:
     name: str
     rate: float
     duration_s: float
-    outcomes: list[chaos.Outcome] = field(default_factory=list)
+    outcomes: list[faultkit.Outcome] = field(default_factory=list)
     offsets: list[float] = field(default_factory=list)  # open loop: each request's send time from the start, s
     started: float = 0.0  # time.monotonic() when the first request went out
     sending_ended: float = 0.0  # ... when the last one went out
@@ -87,8 +89,8 @@ class Phase:
             picked = [o for o, t in zip(self.outcomes, self.offsets) if (t < self.duration_s / 2) == (half == 1)]
         return sorted(getattr(o, attr) for o in picked if o.kind == "completed" and getattr(o, attr) is not None)
 
-    def tally(self) -> chaos.Tally:
-        return chaos.Tally(self.name, list(self.outcomes), chaos.errors_note(self.outcomes))
+    def tally(self) -> faultkit.Tally:
+        return faultkit.Tally(self.name, list(self.outcomes), faultkit.errors_note(self.outcomes))
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -100,7 +102,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def workload(n: int, words: int, seed: int) -> list[str]:
     """``n`` distinct prompts (no two share more than their first word, so the prefix cache does not help)."""
-    return chaos.prompts(n, words=words, seed=seed)
+    return faultkit.prompts(n, words=words, seed=seed)
 
 
 def _client(timeout_s: float) -> httpx.AsyncClient:
@@ -122,7 +124,7 @@ async def closed_loop(url: str, clients: int, duration_s: float, max_tokens: int
 
         async def one_client() -> None:
             while time.monotonic() < stop:
-                out = await chaos.completion(client, url, next(texts), max_tokens)
+                out = await faultkit.completion(client, url, next(texts), max_tokens)
                 phase.outcomes.append(out)
                 if out.status == 429:  # more clients than --max-queued-requests: do as told
                     await asyncio.sleep(float(out.retry_after or 1))
@@ -149,7 +151,7 @@ async def open_loop(url: str, name: str, rate: float, duration_s: float, max_tok
             delay = start + offset - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(chaos.completion(client, url, text, max_tokens)))
+            tasks.append(asyncio.create_task(faultkit.completion(client, url, text, max_tokens)))
         phase.sending_ended = time.monotonic()
         phase.outcomes = list(await asyncio.gather(*tasks))
     phase.ended = time.monotonic()
@@ -200,7 +202,7 @@ class MemorySampler(threading.Thread):
         # (monotonic time, {"decode-0 running": n, ...}): the workers' queues, once a second
         self.loads: list[tuple[float, dict[str, int]]] = []
         self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
-        self.redis = chaos.redis_sync.Redis.from_url(redis_url, socket_timeout=2)
+        self.redis = redis_sync.Redis.from_url(redis_url, socket_timeout=2)
         self.interval_s = interval_s
         self.samples: list[tuple[float, dict[str, int]]] = []
         self._halt = threading.Event()
@@ -209,7 +211,7 @@ class MemorySampler(threading.Thread):
         values = {name: _rss(p) for name, p in self.procs.items()}
         try:
             values["redis used_memory"] = int(self.redis.info("memory")["used_memory"])
-        except chaos.redis_sync.RedisError:
+        except redis_sync.RedisError:
             values["redis used_memory"] = 0
         return values
 
@@ -257,7 +259,7 @@ class MemorySampler(threading.Thread):
 
 
 def redis_pid(redis_url: str) -> int:
-    r = chaos.redis_sync.Redis.from_url(redis_url, socket_timeout=5)
+    r = redis_sync.Redis.from_url(redis_url, socket_timeout=5)
     try:
         return int(r.info("server")["process_id"])
     finally:
@@ -289,30 +291,30 @@ def limits_env(max_queued: int, max_queued_tokens: int) -> dict[str, str]:
             "PDSERVE_MAX_QUEUED_PROMPT_TOKENS": str(max_queued_tokens)}
 
 
-def clean_after(cluster: chaos.Cluster, base: dict[str, Any], timeout_s: float = 60.0) -> tuple[bool, dict]:
+def clean_after(cluster: faultkit.Cluster, base: dict[str, Any], timeout_s: float = 60.0) -> tuple[bool, dict]:
     """Waits until the finished requests left nothing behind (blocks back to ``base``, no leases, nothing
     tracked, no pending entries, no output streams); returns (clean, the last leftovers)."""
     last: dict[str, Any] = {}
 
     def clean() -> bool:
         nonlocal last
-        last = chaos.leftovers(cluster)
+        last = faultkit.leftovers(cluster)
         return (not last["output_streams"] and not last["pending"]
                 and all(d["kv_blocks_used"] == base["decode"][name]["kv_blocks_used"] and d["kv_active_leases"] == 0
                         and d["num_running"] == 0 and d["num_waiting"] == 0 and d["requests_tracked"] == 0
                         for name, d in last["decode"].items())
                 and all(p["requests_tracked"] == 0 and p["num_running"] == 0 for p in last["prefill"].values()))
 
-    return bool(chaos.wait_for(clean, timeout_s, 0.5)), last
+    return bool(faultkit.wait_for(clean, timeout_s, 0.5)), last
 
 
-def run(cluster: chaos.Cluster, *, clients: int = 8, measure_s: float = 20.0, duration_s: float = 30.0,
+def run(cluster: faultkit.Cluster, *, clients: int = 8, measure_s: float = 20.0, duration_s: float = 30.0,
         baseline_s: float | None = None, factor: float = 10.0, max_tokens: int = 16, words: int = 20,
         interval_s: float = 0.2, echo=lambda *a, **k: None) -> Result:
     """The three phases against ``cluster`` (its router must have admission limits); ``baseline_s``: length of
     the 1x phase (default ``duration_s``; 0 skips it)."""
     url = cluster.router_url
-    base = chaos.leftovers(cluster)
+    base = faultkit.leftovers(cluster)
     pids = {name: cluster.child(name).proc.pid for name in WATCHED if name != "redis"}
     pids["redis"] = redis_pid(cluster.redis_url)
     stats_urls = {name: cluster.child(name).health_url.removesuffix("/health") + "/v1/stats"
@@ -327,7 +329,7 @@ def run(cluster: chaos.Cluster, *, clients: int = 8, measure_s: float = 20.0, du
         echo(f"sustainable: {rate:.2f} req/s ({sustainable.count('completed')} completed by {clients} clients "
              f"in {sustainable.ended - sustainable.started:.1f} s)")
         if rate <= 0:
-            raise RuntimeError("the closed loop completed nothing: " + chaos.errors_note(sustainable.outcomes))
+            raise RuntimeError("the closed loop completed nothing: " + faultkit.errors_note(sustainable.outcomes))
         phases = []
         if baseline_s is None:
             baseline_s = duration_s
@@ -410,7 +412,7 @@ def report(result: Result) -> str:
              f"peak worker queues during {ten.name}: {load}", "", memory_table(result), "",
              f"leftovers after drain: {'none' if result.clean else json.dumps(result.leftovers)}; "
              f"every process alive: {'yes' if all(result.alive.values()) else 'NO'}; load average {la}"]
-    notes = [f"{p.name}: {chaos.errors_note(p.outcomes)}" for p in [result.sustainable, *result.phases]
+    notes = [f"{p.name}: {faultkit.errors_note(p.outcomes)}" for p in [result.sustainable, *result.phases]
              if p.other_errors or p.count("lost")]
     return "\n".join(lines + notes)
 
@@ -420,7 +422,7 @@ def ok(result: Result) -> bool:
     return (all(p.count("lost") == 0 for p in phases) and all(result.alive.values()) and result.clean)
 
 
-def tally(result: Result, max_queued: int) -> chaos.Tally:
+def tally(result: Result, max_queued: int) -> faultkit.Tally:
     """The 10x phase as a row of the chaos table."""
     p = result.ten_x
     e2e = p.latencies()
@@ -431,7 +433,7 @@ def tally(result: Result, max_queued: int) -> chaos.Tally:
               f"{_fmt(percentile(result.phases[0].latencies(), 99))} s"
               if len(result.phases) > 1 else f"{p.rejected} x 429 + Retry-After")
     if p.other_errors:
-        t.note += "; " + chaos.errors_note(p.outcomes)
+        t.note += "; " + faultkit.errors_note(p.outcomes)
     if not result.clean or not all(result.alive.values()):
         t.note += f"; alive {result.alive}; leftovers {result.leftovers}"
     return t
@@ -460,7 +462,7 @@ def command(clients: int, measure_s: float, duration_s: float, factor: float, ma
             max_queued_tokens: int, max_tokens: int, words: int, log_dir: Path | None) -> None:
     """Measure the sustainable rate, offer 10x it open-loop against admission limits, print what happened."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-overload-"))
-    with chaos.Cluster(1, 1, limits_env(max_queued, max_queued_tokens), log_dir=log_dir) as cluster:
+    with faultkit.Cluster(1, 1, limits_env(max_queued, max_queued_tokens), log_dir=log_dir) as cluster:
         click.echo(f"ensemble up (logs in {cluster.log_dir}); load average {os.getloadavg()[0]:.2f}", err=True)
         result = run(cluster, clients=clients, measure_s=measure_s, duration_s=duration_s, factor=factor,
                      max_tokens=max_tokens, words=words, echo=lambda m: click.echo(m, err=True))

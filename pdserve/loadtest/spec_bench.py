@@ -98,9 +98,9 @@ def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = engine.get_stats()
     tpot = statistics.median((done[r] - first[r]) / (output_len - 1) for r in done) if output_len > 1 else 0.0
-    drafts = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
-    draft_tokens = after.get("spec_decode_num_draft_tokens", 0) - before.get("spec_decode_num_draft_tokens", 0)
-    accepted = after.get("spec_decode_num_accepted_tokens", 0) - before.get("spec_decode_num_accepted_tokens", 0)
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     tokens = len(prompts) * output_len
     return {"tok_s": tokens / wall, "tok_per_cpu_s": tokens / cpu, "tpot_ms": tpot * 1000, "wall_s": wall,
             "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,

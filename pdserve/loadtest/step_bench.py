@@ -1,4 +1,4 @@
-"""``pdserve bench step``: one engine step measured on its own against its matmul floor (issue 15).
+"""``pdserve bench step``: one engine step measured on its own against its matmul floor.
 
 The real engine (``LLMEngine``, the real model, every CPU fast path as configured) runs a batch of requests
 (prompts of random ids, 16-256 tokens by default, greedy, ``ignore_eos``): first their prefill, in steps of the
@@ -13,7 +13,7 @@ rate is that of the step's own shapes with the same cache behaviour (all layers 
 in turns, and 1 and 2 threads in turns, so load from other work falls on both alike.
 
 Printed per thread count: decode step CPU-ms and wall-ms (median of every measured step), its floor and the
-ratio (issue 15's target: <= 1.5x at batch 32); prefill prompt tokens per CPU-second against the bound (the
+ratio (the target: <= 1.5x at batch 32); prefill prompt tokens per CPU-second against the bound (the
 same steps' linear FLOPs at their measured rate; target >= 60%); and where a decode step goes (``--breakdown-steps``, in the last round):
 exclusive CPU-ms per part, from timers wrapped around the kernels and engine methods for separate steps (the
 torch profiler does not see the ctypes kernels, which is where most of a step runs).
@@ -137,10 +137,10 @@ def run_round(engine, floor: Floor, rec: StepRecorder, batch: int, seed: int, pr
     prefill, decode = [], []
     try:
         while _prefilling(engine):
-            before = engine.get_stats()["prompt_tokens_computed"]
+            before = engine.get_stats().prompt_tokens_computed
             cpu, wall = _timed_step(engine)
             rows, sample = rec.last()
-            prompt = engine.get_stats()["prompt_tokens_computed"] - before
+            prompt = engine.get_stats().prompt_tokens_computed - before
             fcpu, fwall = floor.run(rows, sample)
             prefill.append({"rows": rows, "sample_rows": sample, "prompt_tokens": prompt, "cpu": cpu, "wall": wall,
                             "floor_cpu": fcpu, "floor_wall": fwall, "flops": floor.flops(rows, sample)})
@@ -299,7 +299,7 @@ def _print_summary(threads: int, s: dict, batch: int) -> None:
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def step_command(batch, threads_list, rounds, decode_steps, dtype, prompt_len, max_num_batched_tokens,
                  attention_backend, breakdown_steps, json_out) -> None:
-    """A decode step and a prefill against their matmul floor, 1 and 2 threads in turns (issue 15).
+    """A decode step and a prefill against their matmul floor, 1 and 2 threads in turns.
 
     The other CPU fast paths are switched off for an A/B with the engine's own variables: PDSERVE_FUSED_CPU=0,
     PDSERVE_SKINNY_LINEAR=0, PDSERVE_CPU_LINEAR=bf16|fp32|skinny (a bf16 model's projections forced onto one CPU

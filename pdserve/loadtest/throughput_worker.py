@@ -61,11 +61,10 @@ class PdserveRunner:
         assert self.llm.reset_prefix_cache(), "a request still holds KV blocks between turns"
         engine.stats.reset_peaks()
         engine.stats.num_steps = 0
-        hits0 = self.llm.get_stats()["prefix_cache_hits"]
+        hits0 = self.llm.get_stats().prefix_cache_hits
         results = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         _cuda_sync(self.llm)
-        stats = self.llm.get_stats()
-        stats["num_steps"] = engine.stats.num_steps
+        stats = self.llm.get_stats().as_dict()  # JSON, to the parent process
         stats["turn_prefix_cache_hits"] = stats["prefix_cache_hits"] - hits0
         return {"output_tokens": sum(len(r.outputs[0].token_ids) for r in results), "stats": stats}
 

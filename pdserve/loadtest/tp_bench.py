@@ -1,4 +1,4 @@
-"""``pdserve bench tp``: what tensor parallelism costs and saves, offline, on one machine (issue 14).
+"""``pdserve bench tp``: what tensor parallelism costs and saves, offline, on one machine.
 
 For each TP size (default 1 and 3; the default model has 3 KV heads) one engine is loaded once, then the sizes
 run the same decode workload in turns (``--rounds`` rounds): ``--batch`` requests of ``--prompt-len`` random

@@ -244,7 +244,7 @@ def worker_threads(opts: UpOptions) -> dict[str, dict[str, str]]:
     """Per tier, the ``PDSERVE_NUM_THREADS`` its workers get ({} for none: TP ranks set their own). An explicit
     ``--prefill-threads``/``--decode-threads`` wins; otherwise the cores a worker may use (its pinned set, else this
     process's) are split evenly among the engine workers that share them, at least 1 each, so two workers on one
-    machine do not each start one OpenMP thread per core and fight (issue 15)."""
+    machine do not each start one OpenMP thread per core and fight."""
     prefill = 0 if opts.colocated else opts.num_prefill
     counts = {"prefill": prefill, "decode": opts.num_decode}
     cpus = {"prefill": opts.prefill_cpus, "decode": opts.decode_cpus}

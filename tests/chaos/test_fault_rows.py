@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 
-from pdserve.loadtest import chaos, faults
+from pdserve.loadtest import chaos, faultkit, faults
 from pdserve.shared.protocol import keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -24,7 +24,7 @@ ENV = {"PDSERVE_DTYPE": "float32", "PDSERVE_POD_TTL_S": "10"}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with chaos.Cluster(1, 1, ENV, log_dir=tmp_path_factory.mktemp("fault_rows")) as c:
+    with faultkit.Cluster(1, 1, ENV, log_dir=tmp_path_factory.mktemp("fault_rows")) as c:
         yield c
 
 
@@ -34,13 +34,13 @@ def test_leak_check_sees_a_request_held_in_the_ensemble_and_its_release(cluster)
     assert not any(k.endswith("unreachable") for k in base), base
     router_running = f"router {cluster.router_url} running"
     assert base[router_running] == 0
-    outcome: list[chaos.Outcome] = []
+    outcome: list[faultkit.Outcome] = []
     prefill = cluster.names("prefill")
     cluster.pause(*prefill)
     try:
         async def one():
             async with httpx.AsyncClient(timeout=120) as c:
-                return await chaos.completion(c, cluster.router_url, chaos.prompts(1, seed=5)[0], 4)
+                return await faultkit.completion(c, cluster.router_url, faultkit.prompts(1, seed=5)[0], 4)
         worker = threading.Thread(target=lambda: outcome.append(asyncio.run(one())))
         worker.start()
         seen: dict[str, int] = {}
@@ -48,7 +48,7 @@ def test_leak_check_sees_a_request_held_in_the_ensemble_and_its_release(cluster)
         def router_holds_it() -> bool:
             seen.update(faults.leaks(probe, base, settle_s=0))
             return router_running in seen
-        chaos.wait_for(router_holds_it, 60, 0.2)
+        faultkit.wait_for(router_holds_it, 60, 0.2)
     finally:
         cluster.resume(*prefill)
     worker.join(120)
@@ -81,16 +81,16 @@ def test_request_a_live_decode_pod_stops_holding_moves_instead_of_hanging(cluste
     so the router's watch has already seen the hand-over (the state in which the old router never asked again)."""
     router = cluster.extra_router({"PDSERVE_PREFILL_STALL_S": "3"})
     url = router.health_url.removesuffix("/health")
-    text = chaos.prompts(1, seed=12)[0]
+    text = faultkit.prompts(1, seed=12)[0]
     tokens = 256  # the engine keeps going during the pause: enough left to drop afterwards
     want = asyncio.run(chaos.reference(url, [text], tokens, ignore_eos=True))[0]
     r = cluster.redis()
     before = set(r.scan_iter(match="pdserve:out:*"))
     progress = [0]
 
-    async def run() -> chaos.Outcome:
+    async def run() -> faultkit.Outcome:
         async with httpx.AsyncClient(timeout=300) as c:
-            task = asyncio.create_task(chaos.completion(c, url, text, tokens, ignore_eos=True,
+            task = asyncio.create_task(faultkit.completion(c, url, text, tokens, ignore_eos=True,
                                                         on_token=lambda n: progress.__setitem__(0, n)))
             while progress[0] < 2 and not task.done():
                 await asyncio.sleep(0.01)

@@ -3,7 +3,7 @@ router's admission limits must answer every request, completed or a clear 429 wi
 ensemble must come out of it alive with nothing left behind.
 
 Oracles: each request's own answer (status, error body, ``[DONE]``), every process's liveness and ``/health``,
-the workers' counters and Redis keys (``chaos.leftovers``). No timing or memory thresholds: those are
+the workers' counters and Redis keys (``faultkit.leftovers``). No timing or memory thresholds: those are
 measured by ``python -m pdserve.loadtest.overload`` (tests/chaos/README.md "10x overload").
 """
 
@@ -14,7 +14,7 @@ import asyncio
 import httpx
 import pytest
 
-from pdserve.loadtest import chaos, overload
+from pdserve.loadtest import faultkit, overload
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -24,7 +24,7 @@ MAX_QUEUED = 4
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     env = {**overload.limits_env(MAX_QUEUED, 256), "PDSERVE_POD_TTL_S": "30"}  # pods stopped for a while stay listed
-    with chaos.Cluster(1, 1, env, log_dir=tmp_path_factory.mktemp("ten_x")) as c:
+    with faultkit.Cluster(1, 1, env, log_dir=tmp_path_factory.mktemp("ten_x")) as c:
         yield c
 
 
@@ -61,12 +61,12 @@ def test_more_requests_in_flight_than_redis_pool_default_all_complete(cluster, u
     """Each request in flight holds one of the router's Redis connections while it waits for output; redis-py's
     default pool (100) used to answer the 101st with 503 "The request queue (Redis) is unavailable"."""
     url = unlimited_url
-    base = chaos.leftovers(cluster)
+    base = faultkit.leftovers(cluster)
     texts = overload.workload(150, 12, seed=31)
 
     async def burst():
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=1000)) as client:
-            return await asyncio.gather(*[chaos.completion(client, url, t, 2) for t in texts])
+            return await asyncio.gather(*[faultkit.completion(client, url, t, 2) for t in texts])
 
     outcomes = asyncio.run(burst())
     assert sum(o.kind == "completed" for o in outcomes) == len(texts), summary(outcomes)

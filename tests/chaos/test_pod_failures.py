@@ -15,7 +15,7 @@ import json
 import jsonschema
 import pytest
 
-from pdserve.loadtest import chaos
+from pdserve.loadtest import chaos, faultkit
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,22 +30,22 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with chaos.Cluster(2, 2, ENV, log_dir=tmp_path_factory.mktemp("chaos")) as c:
+    with faultkit.Cluster(2, 2, ENV, log_dir=tmp_path_factory.mktemp("chaos")) as c:
         yield c
 
 
-def summary(tally: chaos.Tally) -> str:
+def summary(tally: faultkit.Tally) -> str:
     return "\n".join(f"{o.kind} status={o.status} error={o.error} exc={o.exception} finish={o.finish_reason} "
                      f"tokens={o.completion_tokens} text={o.text!r}" for o in tally.outcomes)
 
 
 def test_abort_storm_leaves_nothing_behind(cluster):
-    base = chaos.leftovers(cluster)
+    base = faultkit.leftovers(cluster)
     tally = asyncio.run(chaos.abort_storm(cluster, 50, 12))
     assert tally.count("lost") == 0, summary(tally)
 
     def clean():
-        left = chaos.leftovers(cluster)
+        left = faultkit.leftovers(cluster)
         ok = (not left["output_streams"] and left["pending"] == 0
               and all(d["kv_blocks_used"] == base["decode"][name]["kv_blocks_used"] and d["kv_active_leases"] == 0
                       and d["num_running"] == 0 and d["num_waiting"] == 0 and d["requests_tracked"] == 0
@@ -53,7 +53,7 @@ def test_abort_storm_leaves_nothing_behind(cluster):
               and all(p["requests_tracked"] == 0 and p["num_running"] == 0 for p in left["prefill"].values()))
         return left if ok else None
 
-    assert chaos.wait_for(clean, 30, 0.5), chaos.leftovers(cluster)
+    assert faultkit.wait_for(clean, 30, 0.5), faultkit.leftovers(cluster)
 
 
 def test_prefill_worker_killed_mid_request_loses_and_repeats_nothing(cluster):
@@ -91,7 +91,7 @@ def test_decode_worker_killed_mid_generation_continues_on_another(cluster):
     seeded = {"temperature": 0.9, "seed": 11, "ignore_eos": True}
     greedy = {"ignore_eos": True}
     structured = {"structured_outputs": {"json": SUMMARY_SCHEMA}}
-    texts = chaos.prompts(4, seed=2)
+    texts = faultkit.prompts(4, seed=2)
     plain = [asyncio.run(chaos.reference(cluster.router_url, [t], 32, **v))[0] for t, v in zip(texts, [greedy, seeded] * 2)]
     variants = [greedy, seeded, {**greedy, "stop": [late_stop_string(plain[2].text)]},
                 {**seeded, "stop": [late_stop_string(plain[3].text)]}, structured, structured]

@@ -1,4 +1,4 @@
-"""Requests never wait on a prefill worker that stopped, nor on queue state that Redis lost (issue 12.6, 12.9):
+"""Requests never wait on a prefill worker that stopped, nor on queue state that Redis lost:
 real processes (the children ``pdserve up`` starts: 2 prefill workers, 1 decode worker, router, registry), a
 real redis-server without persistence that this module owns, the real model.
 
@@ -14,7 +14,7 @@ import asyncio
 import httpx
 import pytest
 
-from pdserve.loadtest import chaos
+from pdserve.loadtest import chaos, faultkit
 from pdserve.shared.protocol import keys
 from support.redis_server import RedisServer
 
@@ -38,7 +38,7 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def cluster(redis_server, tmp_path_factory):
-    with chaos.Cluster(2, 1, ENV, redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("liveness")) as c:
+    with faultkit.Cluster(2, 1, ENV, redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("liveness")) as c:
         yield c
 
 
@@ -63,14 +63,14 @@ def pending_of(r, consumer: str) -> int:
         return 0
 
 
-def run_with_fault(cluster, texts, max_tokens, fault) -> list[chaos.Outcome]:
+def run_with_fault(cluster, texts, max_tokens, fault) -> list[faultkit.Outcome]:
     """Stream ``texts`` at once; ``fault()`` runs (in a thread) once they are sent; every outcome, each within
     BOUND_S."""
     async def bounded(client, prompt):
         try:  # a whole-request bound: a stream kept open by keep-alives never hits a read timeout
-            return await asyncio.wait_for(chaos.completion(client, cluster.router_url, prompt, max_tokens), BOUND_S)
+            return await asyncio.wait_for(faultkit.completion(client, cluster.router_url, prompt, max_tokens), BOUND_S)
         except asyncio.TimeoutError:
-            return chaos.Outcome(exception=f"no answer within {BOUND_S} s", latency_s=BOUND_S)
+            return faultkit.Outcome(exception=f"no answer within {BOUND_S} s", latency_s=BOUND_S)
 
     async def run():
         async with httpx.AsyncClient(timeout=BOUND_S) as client:
@@ -81,13 +81,13 @@ def run_with_fault(cluster, texts, max_tokens, fault) -> list[chaos.Outcome]:
 
 
 def test_requests_held_by_a_stopped_prefill_worker_move_to_the_other_one(cluster):
-    texts = chaos.prompts(4, words=40, seed=21)
+    texts = faultkit.prompts(4, words=40, seed=21)
     want = asyncio.run(chaos.reference(cluster.router_url, texts, 8))
     r = cluster.redis()
     cluster.pause("decode-0", "prefill-1")  # prefill-0 takes every request; no hand-over can finish
 
     def fault():
-        held = chaos.wait_for(lambda: pending_of(r, "prefill-0") >= len(texts), 30, 0.1)
+        held = faultkit.wait_for(lambda: pending_of(r, "prefill-0") >= len(texts), 30, 0.1)
         cluster.pause("prefill-0")  # hung while it holds them (SIGSTOP)
         cluster.resume("decode-0", "prefill-1")
         assert held, f"prefill-0 never held the requests: {pending_of(r, 'prefill-0')}"
@@ -101,12 +101,12 @@ def test_requests_held_by_a_stopped_prefill_worker_move_to_the_other_one(cluster
     assert all(o.kind == "completed" and not o.wrong for o in outcomes), summary(outcomes)
     assert "prefill stalled: worker prefill-0 has not touched it" in cluster.log("router")
     # the stopped worker, woken up, finds its requests aborted and lets them go: nothing stays pending
-    assert chaos.wait_for(lambda: chaos.leftovers(cluster)["pending"] == 0, 60, 0.5), chaos.leftovers(cluster)
+    assert faultkit.wait_for(lambda: faultkit.leftovers(cluster)["pending"] == 0, 60, 0.5), faultkit.leftovers(cluster)
 
 
 @pytest.mark.parametrize("loss", ["flushall", "restart_empty"])
 def test_requests_queued_when_redis_loses_its_data_are_served_and_the_ensemble_recovers(cluster, redis_server, loss):
-    texts = chaos.prompts(3, words=40, seed=22 if loss == "flushall" else 23)
+    texts = faultkit.prompts(3, words=40, seed=22 if loss == "flushall" else 23)
     want = asyncio.run(chaos.reference(cluster.router_url, texts, 8))
     r = cluster.redis()
     base = r.xlen(keys.PREFILL_STREAM)
@@ -114,7 +114,7 @@ def test_requests_queued_when_redis_loses_its_data_are_served_and_the_ensemble_r
     cluster.pause(*prefill)  # the requests wait in the queue, which Redis then loses
 
     def fault():
-        queued = chaos.wait_for(lambda: r.xlen(keys.PREFILL_STREAM) >= base + len(texts), 30, 0.1)
+        queued = faultkit.wait_for(lambda: r.xlen(keys.PREFILL_STREAM) >= base + len(texts), 30, 0.1)
         if loss == "flushall":
             r.flushall()
         else:
@@ -130,7 +130,7 @@ def test_requests_queued_when_redis_loses_its_data_are_served_and_the_ensemble_r
     chaos.check(outcomes, want)
     assert all(o.kind == "completed" and not o.wrong for o in outcomes), summary(outcomes)
     assert "its queue entry and its state vanished" in cluster.log("router")
-    assert chaos.wait_for(lambda: healthy(cluster), 30, 0.5)
+    assert faultkit.wait_for(lambda: healthy(cluster), 30, 0.5)
     # and new requests are served, with no restart
     again = asyncio.run(chaos.reference(cluster.router_url, texts[:1], 8))[0]
     assert again.kind == "completed" and again.text == want[0].text, again

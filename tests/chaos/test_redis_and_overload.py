@@ -13,7 +13,7 @@ import asyncio
 import httpx
 import pytest
 
-from pdserve.loadtest import chaos
+from pdserve.loadtest import chaos, faultkit
 from pdserve.shared.protocol import keys
 from support.redis_server import RedisServer
 
@@ -36,7 +36,7 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(redis_server, tmp_path_factory):
-    with chaos.Cluster(1, 1, ENV, redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("chaos")) as c:
+    with faultkit.Cluster(1, 1, ENV, redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("chaos")) as c:
         yield c
 
 
@@ -47,7 +47,7 @@ def health(cluster, name: str) -> int:
         return 0
 
 
-def summary(tally: chaos.Tally) -> str:
+def summary(tally: faultkit.Tally) -> str:
     return "\n".join(f"{o.kind} status={o.status} error={o.error} exc={o.exception} finish={o.finish_reason} "
                      f"text={o.text!r}" for o in tally.outcomes)
 
@@ -58,15 +58,15 @@ def test_overload_gets_429_with_retry_after_and_admitted_requests_complete(clust
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=120) as client:
-                tasks = [asyncio.create_task(chaos.completion(client, cluster.router_url, p, 4, stream=False))
-                         for p in chaos.prompts(4 * MAX_QUEUED, words=30, seed=7)]
+                tasks = [asyncio.create_task(faultkit.completion(client, cluster.router_url, p, 4, stream=False))
+                         for p in faultkit.prompts(4 * MAX_QUEUED, words=30, seed=7)]
                 await asyncio.sleep(2.0)  # all answered or queued
                 cluster.resume(*workers)
                 return await asyncio.gather(*tasks)
         outcomes = asyncio.run(burst())
     finally:
         cluster.resume(*workers)
-    tally = chaos.Tally("overload", list(outcomes))
+    tally = faultkit.Tally("overload", list(outcomes))
     rejected = [o for o in outcomes if o.status == 429]
     assert tally.count("lost") == 0, summary(tally)
     assert tally.count("completed") == MAX_QUEUED, summary(tally)
@@ -87,8 +87,8 @@ def test_request_stuck_past_its_timeout_gets_504_and_releases_everything(cluster
     try:
         async def run():
             async with httpx.AsyncClient(timeout=60) as client:
-                return await asyncio.gather(chaos.completion(client, url, "Stuck one", 8, stream=False),
-                                            chaos.completion(client, url, "Stuck two", 8, stream=True))
+                return await asyncio.gather(faultkit.completion(client, url, "Stuck one", 8, stream=False),
+                                            faultkit.completion(client, url, "Stuck two", 8, stream=True))
         plain, streamed = asyncio.run(run())
     finally:
         cluster.resume(*workers)
@@ -98,25 +98,25 @@ def test_request_stuck_past_its_timeout_gets_504_and_releases_everything(cluster
     assert plain.latency_s < 30
 
     def clean():
-        left = chaos.leftovers(cluster)
+        left = faultkit.leftovers(cluster)
         d = left["decode"][decode]
         return (not left["output_streams"] and left["pending"] == 0 and d["kv_blocks_used"] == base_blocks
                 and d["kv_active_leases"] == 0 and d["requests_tracked"] == 0
                 and cluster.redis().xlen(keys.PREFILL_STREAM) == 0)
 
-    assert chaos.wait_for(clean, 30, 0.5), chaos.leftovers(cluster)
+    assert faultkit.wait_for(clean, 30, 0.5), faultkit.leftovers(cluster)
 
 
 def test_cache_salt_keeps_prefix_cache_hits_inside_one_tenant(cluster):
     prefill = cluster.names("prefill")[0]
-    prompt = chaos.prompts(1, words=80, seed=11)[0]
+    prompt = faultkit.prompts(1, words=80, seed=11)[0]
 
     def hits() -> int:
         return cluster.stats(prefill)["prefix_cache_hits"]
 
     async def ask(salt):
         async with httpx.AsyncClient(timeout=120) as client:
-            out = await chaos.completion(client, cluster.router_url, prompt, 2, stream=False, cache_salt=salt)
+            out = await faultkit.completion(client, cluster.router_url, prompt, 2, stream=False, cache_salt=salt)
         assert out.kind == "completed", out
 
     asyncio.run(ask("tenant-a"))
@@ -144,7 +144,7 @@ def test_prompts_and_outputs_stay_out_of_info_logs(cluster):
 
 
 def test_redis_restart_loses_no_queued_request(cluster, redis_server):
-    texts = chaos.prompts(3, seed=8)
+    texts = faultkit.prompts(3, seed=8)
     want = asyncio.run(chaos.reference(cluster.router_url, texts, 8))
     prefill = cluster.names("prefill")
     r = cluster.redis()
@@ -154,8 +154,8 @@ def test_redis_restart_loses_no_queued_request(cluster, redis_server):
     try:
         async def run():
             async with httpx.AsyncClient(timeout=180) as client:
-                tasks = [asyncio.create_task(chaos.completion(client, cluster.router_url, p, 8)) for p in texts]
-                await asyncio.to_thread(chaos.wait_for, lambda: r.xlen(keys.PREFILL_STREAM) >= base + 3, 10)
+                tasks = [asyncio.create_task(faultkit.completion(client, cluster.router_url, p, 8)) for p in texts]
+                await asyncio.to_thread(faultkit.wait_for, lambda: r.xlen(keys.PREFILL_STREAM) >= base + 3, 10)
                 redis_server.stop()  # SIGTERM: what a rolling restart does; the AOF is fsynced per write
                 await asyncio.sleep(1.0)
                 for name in ("router", "decode-0", "registry"):
@@ -167,20 +167,20 @@ def test_redis_restart_loses_no_queued_request(cluster, redis_server):
     finally:
         cluster.resume(*prefill)
         r.close()
-    tally = chaos.Tally("redis restart", list(outcomes))
+    tally = faultkit.Tally("redis restart", list(outcomes))
     chaos.check(tally.outcomes, want)
     assert tally.count("completed") == 3 and tally.wrong == 0, summary(tally)
     assert outage_health["router"] == 503 and outage_health["decode-0"] == 503, outage_health
-    assert chaos.wait_for(lambda: all(health(cluster, n) == 200 for n in ("router", "prefill-0", "decode-0")), 30)
+    assert faultkit.wait_for(lambda: all(health(cluster, n) == 200 for n in ("router", "prefill-0", "decode-0")), 30)
 
 
 def test_redis_restart_during_generation_completes_or_fails_clearly(cluster, redis_server):
-    texts = chaos.prompts(2, seed=9)
+    texts = faultkit.prompts(2, seed=9)
     progress = [0, 0]
 
     async def run():
         async with httpx.AsyncClient(timeout=180) as client:
-            tasks = [asyncio.create_task(chaos.completion(
+            tasks = [asyncio.create_task(faultkit.completion(
                 client, cluster.router_url, p, 48, ignore_eos=True,
                 on_token=lambda n, i=i: progress.__setitem__(i, n))) for i, p in enumerate(texts)]
             while min(progress) < 2 and not all(t.done() for t in tasks):
@@ -188,7 +188,7 @@ def test_redis_restart_during_generation_completes_or_fails_clearly(cluster, red
             await asyncio.to_thread(redis_server.restart)
             return await asyncio.gather(*tasks)
     outcomes = asyncio.run(run())
-    tally = chaos.Tally("redis restart mid-generation", list(outcomes))
+    tally = faultkit.Tally("redis restart mid-generation", list(outcomes))
     assert tally.count("lost") == 0, summary(tally)
     for o in outcomes:
         if o.kind == "completed":

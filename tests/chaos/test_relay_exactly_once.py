@@ -113,7 +113,7 @@ def test_relay_times_out_with_504_when_nothing_arrives(redis_url):
 
 
 def test_keepalive_events_hold_off_the_silence_bound_and_reach_no_client(redis_url):
-    """A request waiting for decode KV blocks (issue 12 item 1): its first token, then only keep-alive events for
+    """A request waiting for decode KV blocks: its first token, then only keep-alive events for
     three times the relay's silence bound, then the rest. Nothing times out and the client gets exactly the tokens."""
     async def scenario():
         redis = Redis.from_url(redis_url)

@@ -31,7 +31,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from pdserve.loadtest import chaos
+from pdserve.loadtest import faultkit
 from pdserve.services.router.dispatch import DispatchConfig, Dispatcher, RoutingConfig
 from pdserve.services.router.migration import Migrator
 from pdserve.services.router.relay import ChoiceRoute
@@ -60,7 +60,7 @@ A, B = "tenant-a-3f9c", "tenant-b-77d1"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with chaos.Cluster(1, 1, ENV, log_dir=tmp_path_factory.mktemp("isolation")) as c:
+    with faultkit.Cluster(1, 1, ENV, log_dir=tmp_path_factory.mktemp("isolation")) as c:
         yield c
 
 
@@ -87,7 +87,7 @@ def prompts(tokenizer):
     first_blocks: dict[tuple[int, ...], int] = {}
 
     def make(i: int) -> list[int]:
-        ids = tokenizer.encode(chaos.prompts(1, words=90, seed=100 + i)[0])[:PROMPT_TOKENS]
+        ids = tokenizer.encode(faultkit.prompts(1, words=90, seed=100 + i)[0])[:PROMPT_TOKENS]
         assert len(ids) == PROMPT_TOKENS
         assert first_blocks.setdefault(tuple(ids[:BLOCK]), i) == i
         return ids
@@ -144,7 +144,7 @@ def wait_registry_holds(cluster, ids: list[int], salt: str | None, blocks: int) 
     heartbeat): a lookup that answers 0 for another tenant only means something once it answers ``blocks`` for
     the owner."""
     pod = decode_pod(cluster)["pod_id"]
-    ok = chaos.wait_for(lambda: overlaps(cluster, ids, salt).get(pod, 0) >= blocks, 20, 0.2)
+    ok = faultkit.wait_for(lambda: overlaps(cluster, ids, salt).get(pod, 0) >= blocks, 20, 0.2)
     assert ok, f"registry never showed {blocks} blocks of {salt}'s prompt on {pod}: {overlaps(cluster, ids, salt)}"
 
 
@@ -153,7 +153,7 @@ def ask(url: str, ids: list[int], salt: str | None) -> None:
 
     async def run():
         async with httpx.AsyncClient(timeout=180) as client:
-            return await chaos.completion(client, url, ids, 2, stream=False, ignore_eos=True, **extra)
+            return await faultkit.completion(client, url, ids, 2, stream=False, ignore_eos=True, **extra)
 
     out = asyncio.run(run())
     assert out.kind == "completed" and out.completion_tokens == 2, out
@@ -288,7 +288,7 @@ async def migrate_and_finish(cluster, ids: list[int], salt: str | None,
     redis = aioredis.Redis.from_url(cluster.redis_url)
     registry = RegistryClient(cluster.registry_url, token=registry_token(cluster))
     log = RoutingLog()
-    config = DispatchConfig(chaos.MODEL, local_prefill_threshold=100000 if local else 0,
+    config = DispatchConfig(faultkit.MODEL, local_prefill_threshold=100000 if local else 0,
                             routing=RoutingConfig(temperature=0))
     dispatcher = Dispatcher(redis, registry, config, metrics=log)
     stem = f"cmpl-{uuid.uuid4().hex}"
@@ -352,7 +352,7 @@ def test_migrated_request_keeps_its_tenants_salt(cluster, prompts, local):
 
 def test_an_empty_cache_salt_is_refused_not_taken_for_no_salt(cluster):
     """The block hash ignores an empty salt (``block_hash.py``), so "" would share the unsalted cache."""
-    body = {"model": chaos.MODEL, "prompt": "Hello", "max_tokens": 1, "cache_salt": ""}
+    body = {"model": faultkit.MODEL, "prompt": "Hello", "max_tokens": 1, "cache_salt": ""}
     resp = httpx.post(f"{cluster.router_url}/v1/completions", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert "cache_salt" in resp.text
@@ -365,7 +365,7 @@ def test_local_prefill_with_no_prefill_tier_alive_hits_only_its_own_tenants_bloc
     """Last in this module: it kills the prefill worker."""
     for name in cluster.names("prefill"):
         cluster.kill(name)
-    gone = chaos.wait_for(lambda: not httpx.get(f"{cluster.registry_url}/v1/pods", params={"role": "prefill"},
+    gone = faultkit.wait_for(lambda: not httpx.get(f"{cluster.registry_url}/v1/pods", params={"role": "prefill"},
                                                 headers=registry_headers(cluster), timeout=5).json()["pods"], 30, 0.5)
     assert gone, "the killed prefill worker never left the registry"
     before = len(routing_reasons(cluster, "router"))
@@ -374,7 +374,7 @@ def test_local_prefill_with_no_prefill_tier_alive_hits_only_its_own_tenants_bloc
 
 
 def test_local_prefill_on_a_colocated_decode_pod_hits_only_its_own_tenants_blocks(prompts, tmp_path):
-    colocated = chaos.Cluster(0, 1, ENV, log_dir=tmp_path)
+    colocated = faultkit.Cluster(0, 1, ENV, log_dir=tmp_path)
     colocated.opts.colocated = True  # what `pdserve up --colocated` sets: no prefill tier, the decode pod says so
     with colocated:
         assert decode_pod(colocated)["colocated"] is True

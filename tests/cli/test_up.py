@@ -511,7 +511,7 @@ def test_a_worker_refuses_an_unknown_kv_connector_at_its_settings():
 
 @pytest.mark.slow
 def test_stop_gives_the_router_its_own_drain_before_sigkill(tmp_path):
-    """One drain setting (issue 30): ``up`` used to SIGKILL the router at ``--stop-timeout-s`` (10 s) after giving it
+    """One drain setting: ``up`` used to SIGKILL the router at ``--stop-timeout-s`` (10 s) after giving it
     half of that to drain, where the router's own ``shutdown_grace_s`` (docs/ensemble.md "Stopping") is 30 s. A
     stand-in router that takes 2 s to drain after SIGTERM, under a 0.5 s stop timeout, must exit on its own."""
     drain = ("import signal, sys, time\n"

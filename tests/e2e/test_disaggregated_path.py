@@ -186,7 +186,6 @@ def test_a_queue_entry_delivered_twice_is_decoded_once(ensemble, offline, prompt
     The fault is injected by queueing a second copy of the in-flight request's entry — what the reclaiming
     worker receives. Oracle: the client's stream equals the offline engine's greedy text with no error, the
     decode pod generated the request's tokens once, and the redelivered entry is acknowledged."""
-    import json
 
     import redis
 

@@ -1,4 +1,4 @@
-"""A decode pod that cannot take a request right now: its KV cache is full (issue 12 item 1: requests wait in line
+"""A decode pod that cannot take a request right now: its KV cache is full (requests wait in line
 for blocks, kept alive toward the router however long the wait, and complete), or its KV port accepts connections
 and never answers (item 10). Real processes: ``pdserve up`` (redis-server, registry,
 router, one prefill and one decode worker, the real model) with the decode pod's KV pool shrunk so that a

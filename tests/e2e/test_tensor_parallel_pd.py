@@ -1,4 +1,4 @@
-"""Tensor parallelism end to end (issue 14): ``pdserve up`` with a TP=1 prefill pod and two TP=3 decode pods (the
+"""Tensor parallelism end to end: ``pdserve up`` with a TP=1 prefill pod and two TP=3 decode pods (the
 default model's 3 KV heads, one per rank), real processes throughout, driven with the ``openai`` client.
 
 - The KV blocks a TP=1 prefill pod computed reach a TP=3 decode pod (each rank keeps its KV head) and the greedy

@@ -64,7 +64,7 @@ def _run(llm: LLM, prompt: list[int]):
 def _fresh_and_device_hit(llm: LLM, prompt: list[int]):
     fresh = _run(llm, prompt)
     device_hit = _run(llm, prompt)
-    assert llm.get_stats()["prefix_cache_hits"] > 0
+    assert llm.get_stats().prefix_cache_hits > 0
     return fresh, device_hit
 
 
@@ -85,10 +85,10 @@ def test_a_prefix_loaded_back_from_a_tier_gives_the_fresh_output(llm, prompt_of,
     got = _run(llm, prompt)
     stats = llm.get_stats()
     _assert_same(got, fresh, device_hit)
-    assert stats[f"kv_offload_{tier}_hit_tokens"] - before[f"kv_offload_{tier}_hit_tokens"] == 64
-    assert stats["prefix_cache_hits"] - before["prefix_cache_hits"] == 64
-    assert stats["prompt_tokens_computed"] - before["prompt_tokens_computed"] == 6
-    assert stats[f"kv_offload_{tier}_bytes_loaded"] == 4 * llm.llm_engine.kv_spec.bytes_per_block
+    assert stats.offload[tier].hit_tokens - before.offload[tier].hit_tokens == 64
+    assert stats.prefix_cache_hits - before.prefix_cache_hits == 64
+    assert stats.prompt_tokens_computed - before.prompt_tokens_computed == 6
+    assert stats.offload[tier].bytes_loaded == 4 * llm.llm_engine.kv_spec.bytes_per_block
 
 
 def test_cpu_evictions_go_to_disk_and_both_tiers_load(llm, prompt_of, tmp_path):
@@ -99,11 +99,11 @@ def test_cpu_evictions_go_to_disk_and_both_tiers_load(llm, prompt_of, tmp_path):
     _evict_from_pool(llm, prompt)
     # tails are evicted first, so the CPU tier's LRU pushed them on to disk; the heads are still in CPU memory
     assert [offload.tier_of(h) for h in _hashes(llm, prompt)] == ["cpu", "cpu", "disk", "disk"]
-    assert llm.get_stats()["kv_offload_cpu_evictions"] > 0
+    assert llm.get_stats().offload["cpu"].evictions > 0
     before = llm.get_stats()
     _assert_same(_run(llm, prompt), fresh, device_hit)
     stats = llm.get_stats()
-    cpu, disk = (stats[f"kv_offload_{t}_hit_tokens"] - before[f"kv_offload_{t}_hit_tokens"] for t in ("cpu", "disk"))
+    cpu, disk = (stats.offload[t].hit_tokens - before.offload[t].hit_tokens for t in ("cpu", "disk"))
     # loading a block evicts another from the pool into the CPU tier, which may push the next one to disk
     assert cpu >= 16 and disk >= 32 and cpu + disk == 64
 
@@ -125,12 +125,12 @@ def test_torn_and_bit_flipped_files_are_skipped_counted_and_output_stays_exact(l
     stats = llm.get_stats()
     assert got[0] == fresh[0]
     assert max(abs(a - b) for a, b in zip(got[1], fresh[1])) < 1e-4
-    assert stats["kv_offload_disk_bad_files"] == 1  # the flipped block ends the hit; block 3 is never read
-    assert stats["kv_offload_disk_blocks_loaded"] == 1
+    assert stats.offload["disk"].bad_files == 1  # the flipped block ends the hit; block 3 is never read
+    assert stats.offload["disk"].blocks_loaded == 1
     assert offload.tier_of(hashes[1]) is None and not os.path.exists(tmp_path / (hashes[1].hex() + ".kv"))
     # a restarted tier sees the torn file at once (its length disagrees with its header)
     _install(llm, tmp_path, cpu_gib=0)
-    assert llm.get_stats()["kv_offload_disk_bad_files"] == 1
+    assert llm.get_stats().offload["disk"].bad_files == 1
 
 
 def test_two_salts_never_share_a_block_in_any_tier(llm, prompt_of, tmp_path):
@@ -148,8 +148,8 @@ def test_two_salts_never_share_a_block_in_any_tier(llm, prompt_of, tmp_path):
     while engine.has_unfinished_requests():
         engine.step()
     stats = llm.get_stats()
-    assert stats["prefix_cache_hits"] == before["prefix_cache_hits"]
-    assert stats["kv_offload_disk_blocks_loaded"] == before["kv_offload_disk_blocks_loaded"]
+    assert stats.prefix_cache_hits == before.prefix_cache_hits
+    assert stats.offload["disk"].blocks_loaded == before.offload["disk"].blocks_loaded
 
 
 def test_a_restarted_engine_indexes_its_disk_tier_and_loads_from_it(llm, prompt_of, tmp_path):
@@ -164,7 +164,7 @@ def test_a_restarted_engine_indexes_its_disk_tier_and_loads_from_it(llm, prompt_
     assert set(_hashes(llm, prompt)) <= stored  # re-announced on start
     got = _run(restarted, prompt)
     _assert_same(got, fresh, device_hit)
-    assert restarted.get_stats()["kv_offload_disk_hit_tokens"] == 64
+    assert restarted.get_stats().offload["disk"].hit_tokens == 64
 
 
 
@@ -206,7 +206,7 @@ def test_a_request_loading_from_a_slow_disk_waits_while_the_batch_keeps_decoding
             outputs[out.request_id] = out
     got = outputs["loader"].outputs[0]
     _assert_same((got.token_ids, [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)]), fresh, device_hit)
-    assert llm.get_stats()["kv_offload_disk_hit_tokens"] == 64
+    assert llm.get_stats().offload["disk"].hit_tokens == 64
     assert engine.kv_manager.loads.num_loads == 1 and not engine.kv_manager.loads
 
 
@@ -317,5 +317,5 @@ def test_a_prefill_pods_shared_prompt_comes_back_from_its_tier_not_recomputed(ll
     stats = llm.get_stats()
     assert again_hashes == hashes and torch.equal(again[:4], first[:4])
     assert torch.allclose(again[4, :, :, :6], first[4, :, :, :6], atol=1e-4)
-    assert stats["kv_offload_cpu_hit_tokens"] - before["kv_offload_cpu_hit_tokens"] == 64
-    assert stats["prompt_tokens_computed"] - before["prompt_tokens_computed"] == 6
+    assert stats.offload["cpu"].hit_tokens - before.offload["cpu"].hit_tokens == 64
+    assert stats.prompt_tokens_computed - before.prompt_tokens_computed == 6

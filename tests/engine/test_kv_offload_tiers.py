@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 
-import pytest
 import torch
 
 from pdserve.shared.engine.kv_offload import CPUTier, DiskTier, KVOffloadManager
@@ -113,9 +112,9 @@ def test_offload_manager_writes_down_the_tiers_and_emits_each_tiers_events(tmp_p
     assert manager.load(_h(1), 3) == "disk" and torch.equal(loaded[3], _block(7))
     assert manager.load(_h(2), 4) == "cpu" and torch.equal(loaded[4], _block(8))
     assert manager.load(_h(3), 5) is None
-    stats = manager.get_stats()
-    assert stats["kv_offload_cpu_hit_tokens"] == 4 and stats["kv_offload_disk_hit_tokens"] == 4
-    assert stats["kv_offload_disk_bytes_loaded"] == _block(7).numel() * 2
+    stats = manager.tier_stats()
+    assert stats["cpu"].hit_tokens == 4 and stats["disk"].hit_tokens == 4
+    assert stats["disk"].bytes_loaded == _block(7).numel() * 2
 
 
 def test_the_publisher_sends_each_events_medium():

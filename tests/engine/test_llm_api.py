@@ -31,7 +31,7 @@ def test_prompt_beyond_max_model_len_is_rejected(llm_fp32):
     with pytest.raises(RequestRejected, match="maximum context length") as err:
         llm_fp32.generate([almost], SamplingParams(max_tokens=8))
     assert err.value.param == "max_tokens"
-    assert llm_fp32.get_stats()["num_running"] == 0  # nothing was queued
+    assert llm_fp32.get_stats().num_running == 0  # nothing was queued
 
 
 def test_unknown_token_id_is_rejected(llm_fp32):
@@ -47,13 +47,13 @@ def test_max_model_len_beyond_kv_pool_is_refused_at_startup():
 def test_n_greedy_completions_share_the_prompt_and_agree(llm_fp32, prompt_of):
     prompt = prompt_of(37)  # two full blocks the choices share through the prefix cache, a partial one each
     single = llm_fp32.generate([prompt], GREEDY)[0].outputs[0]
-    used_before = llm_fp32.get_stats()["prompt_tokens_computed"]
+    used_before = llm_fp32.get_stats().prompt_tokens_computed
     multi = llm_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=12, n=3))[0]
     assert [c.index for c in multi.outputs] == [0, 1, 2]
     assert all(c.token_ids == single.token_ids for c in multi.outputs)
     # the prompt ran through the model once (minus what the prefix cache held), not three times
-    assert llm_fp32.get_stats()["prompt_tokens_computed"] - used_before <= 37
-    assert llm_fp32.get_stats()["kv_blocks_used"] == 0
+    assert llm_fp32.get_stats().prompt_tokens_computed - used_before <= 37
+    assert llm_fp32.get_stats().kv_blocks_used == 0
 
 
 def test_seeded_request_ignores_its_batch_neighbours(llm_fp32, prompt_of):
@@ -91,7 +91,7 @@ def test_stats_keys(llm_fp32):
     for key in ("kv_blocks_total", "kv_blocks_used", "kv_tokens_live", "peak_kv_blocks_used", "peak_kv_tokens_live",
                 "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens",
                 "num_preemptions"):
-        assert isinstance(stats[key], int), key
+        assert isinstance(getattr(stats, key), int), key
 
 
 @pytest.mark.parametrize("prompt_len", [1, 16, 33])
@@ -110,7 +110,7 @@ def test_kv_handover_between_engines_gives_the_same_tokens(llm_fp32, prompt_of, 
     first = outs[-1].outputs[0].token_ids[0]
     hashes, kv = exports["r"]
     assert not prefill.owns("r")
-    assert prefill.get_stats()["kv_blocks_used"] == 0
+    assert prefill.get_stats().kv_blocks_used == 0
     assert kv.shape[0] == math.ceil(prompt_len / 16)
     num_blocks, cached = decode.reserve("r", prompt)
     assert num_blocks == kv.shape[0] and cached == 0
@@ -121,7 +121,7 @@ def test_kv_handover_between_engines_gives_the_same_tokens(llm_fp32, prompt_of, 
         for out in decode.step():
             tokens = out.outputs[0].token_ids
     assert tokens == want
-    assert decode.get_stats()["prompt_tokens_computed"] == 0  # the decode engine never ran the prompt
+    assert decode.get_stats().prompt_tokens_computed == 0  # the decode engine never ran the prompt
 
 
 def test_empty_cache_salt_is_rejected_not_taken_for_no_salt(llm_fp32, prompt_of):
@@ -137,9 +137,9 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(llm_fp32, prom
     params = SamplingParams(temperature=0, max_tokens=2)
 
     def hits_of_one_run() -> int:
-        before = llm_fp32.get_stats()["prefix_cache_hits"]
+        before = llm_fp32.get_stats().prefix_cache_hits
         llm_fp32.generate([prompt], params, use_tqdm=False)
-        return llm_fp32.get_stats()["prefix_cache_hits"] - before
+        return llm_fp32.get_stats().prefix_cache_hits - before
 
     hits_of_one_run()
     assert hits_of_one_run() == 32  # the repeat finds both full blocks

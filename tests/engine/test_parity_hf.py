@@ -45,20 +45,20 @@ def test_alone_equals_in_batch(llm_fp32, prompts, expected):
 def test_prefix_cache_hit_gives_same_tokens(prompts, expected):
     llm = LLM("smollm2-135m-instruct", dtype="float32", enable_prefix_caching=True)
     first = token_ids(llm.generate(prompts, GREEDY))
-    hits_before = llm.get_stats()["prefix_cache_hits"]
+    hits_before = llm.get_stats().prefix_cache_hits
     second = token_ids(llm.generate(prompts, GREEDY))
     stats = llm.get_stats()
     assert first == second == expected
-    assert stats["prefix_cache_hits"] > hits_before
+    assert stats.prefix_cache_hits > hits_before
     # the 120-token prompt's 7 full blocks come back from the cache: fewer prompt tokens recomputed
-    assert stats["prompt_tokens_computed"] < 2 * sum(LENGTHS)
+    assert stats.prompt_tokens_computed < 2 * sum(LENGTHS)
 
 
 def test_prefix_caching_off_gives_same_tokens(prompts, expected):
     llm = LLM("smollm2-135m-instruct", dtype="float32", enable_prefix_caching=False)
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
     assert token_ids(llm.generate(prompts[-1:], GREEDY)) == expected[-1:]
-    assert llm.get_stats()["prefix_cache_hits"] == 0
+    assert llm.get_stats().prefix_cache_hits == 0
 
 
 @pytest.mark.parametrize("budget", [16, 2048])
@@ -74,5 +74,5 @@ def test_preemption_gives_same_tokens(mode, prompts, expected):
               preemption_mode=mode, swap_space_bytes="64MiB")
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
     stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["kv_blocks_used"] == 0
+    assert stats.num_preemptions > 0
+    assert stats.kv_blocks_used == 0

@@ -50,6 +50,6 @@ def test_prompt_logprobs_match_hf_chunked_cached_and_preempted(model_dir, prompt
     other = prompt_of(40, offset=40)
     outs = small.generate([ids, other], [SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=3),
                                          SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=0)])
-    assert small.get_stats()["num_preemptions"] > 0
+    assert small.get_stats().num_preemptions > 0
     check(outs[0], ids, want, 3)
     check(outs[1], other, hf_prompt_logprobs(model_dir, other), 0)

@@ -137,9 +137,9 @@ def test_handover_of_a_resumed_seeded_request_equals_one_engine(engine, pd_engin
 def test_commit_refuses_output_that_is_not_the_reserved_tail(pd_engines, prompt_of):
     _, decode = pd_engines
     prompt = prompt_of(20)
-    used = decode.get_stats()["kv_blocks_used"]
+    used = decode.get_stats().kv_blocks_used
     assert decode.reserve("tail", prompt) is not None
     with pytest.raises(RequestRejected) as err:
         decode.commit("tail", 5, SamplingParams(max_tokens=8), output_token_ids=[1, 2])
     assert err.value.param == "output_token_ids"
-    assert not decode.owns("tail") and decode.get_stats()["kv_blocks_used"] == used
+    assert not decode.owns("tail") and decode.get_stats().kv_blocks_used == used

@@ -1,4 +1,4 @@
-"""A seeded request samples the same tokens whatever runs beside it (issue 12, item 1's follow-up).
+"""A seeded request samples the same tokens whatever runs beside it.
 
 Oracle: the same seeded requests run on their own. Sampling is over the whole vocabulary at temperature 1
 (top_k=-1, top_p=1), where fp32 noise matters most: another batch shape (other neighbours, another order), a
@@ -51,10 +51,10 @@ def test_seeded_tokens_do_not_depend_on_batch_neighbours_or_prefix_cache_hits(pr
     ]
     assert tokens(_run(engine, neighbours[:2] + seeded("batch", "c")[::-1] + neighbours[2:]), "batch") == alone
 
-    assert engine.get_stats()["prefix_cache_hits"] == 0
+    assert engine.get_stats().prefix_cache_hits == 0
     # salts "a" again: 32 of each 40-token prompt are cached (and 16 of the unseeded neighbour's 25)
     assert tokens(_run(engine, seeded("hit", "a")[::2] + neighbours[1:2] + seeded("hit", "a")[1::2]), "hit") == alone
-    assert engine.get_stats()["prefix_cache_hits"] == 32 * len(SEEDS) + 16
+    assert engine.get_stats().prefix_cache_hits == 32 * len(SEEDS) + 16
 
     # resumed after 6 tokens (a migration): their KV recomputed by one prefill, the generator skipped 6 draws
     for s, want in zip(SEEDS, alone):

@@ -53,8 +53,8 @@ def test_draft_model_greedy_equals_plain_decoding(draft_dir, prompts):
         for completion in out.outputs:
             assert completion.token_ids == tokens, (len(prompt), completion.index)
     stats = spec.llm_engine.get_stats()
-    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["kv_blocks_used"] == 0
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.kv_blocks_used == 0
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     # a draft prefill per request whose draft state was unknown (each choice, and again after a preemption)
     assert spec.llm_engine.spec.draft.num_prefill_tokens >= sum(len(p) for p in prompts)
 
@@ -68,7 +68,7 @@ def test_draft_model_seeded_sampling_ignores_neighbours(draft_dir, prompts):
     batch = spec.generate([prompts[2], prompts[1], prompts[3]], [seeded, others, others])
     assert batch[0].outputs[0].token_ids == alone
     stats = spec.llm_engine.get_stats()
-    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["kv_blocks_used"] == 0
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.kv_blocks_used == 0
     # the draft's KV pool (one block per target block) is counted in the default 256 MiB of KV memory
     engine = spec.llm_engine
     per_block = engine.kv_spec.bytes_per_block + engine.spec.draft.kv_cache.spec.bytes_per_block

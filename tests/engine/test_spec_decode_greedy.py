@@ -62,12 +62,12 @@ def test_greedy_speculation_equals_plain_decoding(case, prompts, plain):
         for completion in out.outputs:
             assert completion.token_ids == want, (len(prompt), completion.index)
     stats = llm.llm_engine.get_stats()
-    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["kv_blocks_used"] == 0
-    assert stats["spec_decode_mean_accepted_length"] > 1.0
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.kv_blocks_used == 0
+    assert stats.spec_decode_mean_accepted_length > 1.0
     if "preempt" in case:
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     if case.startswith("k1"):
-        assert stats["prefix_cache_hits"] > 0
+        assert stats.prefix_cache_hits > 0
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def test_stop_eos_and_max_tokens_inside_an_accepted_run(prompts, plain):
         assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, a.finish_reason,
                                                                          a.stop_reason), params
     stats = spec.llm_engine.get_stats()
-    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["kv_blocks_used"] == 0
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.kv_blocks_used == 0
 
 
 @pytest.mark.slow
@@ -111,7 +111,7 @@ def test_seeded_sampling_with_ngram_drafts_is_plain_sampling_and_resumes_exactly
         for out in engine.step():
             final = out.outputs[0]
     assert list(final.token_ids) == want
-    assert engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    assert engine.get_stats().spec_decode_num_accepted_tokens > 0
 
 
 @pytest.mark.slow
@@ -130,4 +130,4 @@ def test_logits_processors_apply_to_verification_as_to_plain_decoding(prompts, p
         a = llm_plain.generate([prompt], params)[0].outputs[0].token_ids
         assert a != base[:24] and set(a) <= set(prompt)
         assert spec.generate([prompt], params)[0].outputs[0].token_ids == a, params
-    assert spec.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    assert spec.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0

@@ -210,15 +210,14 @@ def test_adaptive_cap_follows_acceptance_and_is_shared_evenly():
 
 
 def test_worker_metrics_export_vllm_spec_decode_counters():
+    from pdserve.shared.engine.stats import EngineStats
     from pdserve.shared.worker.metrics import WorkerMetrics
 
     m = WorkerMetrics("decode", "d0")
-    base = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "kv_blocks_used": 0, "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0}
-    m.update_from_stats({**base, "spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12,
-                         "spec_decode_num_accepted_tokens": 7, "spec_decode_num_accepted_tokens_per_pos": [4, 2, 1]})
-    m.update_from_stats({**base, "spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 15,
-                         "spec_decode_num_accepted_tokens": 8, "spec_decode_num_accepted_tokens_per_pos": [5, 2, 1]})
+    m.update_from_stats(EngineStats(spec_decode_num_drafts=4, spec_decode_num_draft_tokens=12,
+                                    spec_decode_num_accepted_tokens=7, spec_decode_num_accepted_tokens_per_pos=(4, 2, 1)))
+    m.update_from_stats(EngineStats(spec_decode_num_drafts=5, spec_decode_num_draft_tokens=15,
+                                    spec_decode_num_accepted_tokens=8, spec_decode_num_accepted_tokens_per_pos=(5, 2, 1)))
     text = m.render().decode()
     assert 'pdserve:spec_decode_num_drafts_total{pod="d0",role="decode"} 5.0' in text
     assert 'pdserve:spec_decode_num_draft_tokens_total{pod="d0",role="decode"} 15.0' in text

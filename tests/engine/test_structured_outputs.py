@@ -179,7 +179,7 @@ def test_greedy_answers_under_recompute_preemption_equal_the_unpreempted_ones(ll
     tiny = LLM("smollm2-135m-instruct", dtype="float32", num_kv_blocks=7, max_model_len=96,
                preemption_mode="recompute", enable_prefix_caching=False)
     got = tiny.generate(prompts, params)
-    assert tiny.get_stats()["num_preemptions"] > 0
+    assert tiny.get_stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == want
     for name, out in zip(names, got):
         if out.outputs[0].finish_reason == "stop":
@@ -204,5 +204,5 @@ def test_under_ngram_speculation_grammar_requests_verify_drafts_and_equal_plain_
     for out in got:
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["person"])
     stats = spec.get_stats()
-    assert stats["spec_decode_num_accepted_tokens"] > 0
-    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # some rolled back
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # some rolled back

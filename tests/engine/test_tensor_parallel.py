@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 14): N rank processes split the heads; outputs equal the single-process engine's.
+"""Tensor parallelism: N rank processes split the heads; outputs equal the single-process engine's.
 
 Oracles: the TP=1 engine on the same model in fp32 (greedy tokens, seeded ``n > 1`` samples, speculative decoding's
 greedy tokens, and per-step logits within fp32 tolerance: the ranks' partial sums add in another order), and the
@@ -69,24 +69,24 @@ def test_tp3_greedy_equals_tp1_with_prefix_cache_chunks_preemption_n_and_specula
     try:
         for mode in ("recompute", "swap"):
             engine.scheduler.preemption_mode = mode
-            before = engine.get_stats()["num_preemptions"]
+            before = engine.get_stats().num_preemptions
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, LONG)]
             stats = engine.get_stats()
-            assert stats["num_preemptions"] > before, mode
+            assert stats.num_preemptions > before, mode
             assert got == want[:4], mode
-        assert stats["kv_blocks_swapped_in"] > 0 and stats["prefix_cache_hits"] > 0
+        assert stats.kv_blocks_swapped_in > 0 and stats.prefix_cache_hits > 0
         # n > 1: sibling requests sharing the prompt's blocks, seeded sampling rows on rank 0
         assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[:2], SEEDED_N2)] == want_seeded
         # speculative decoding (n-gram, k=3): the verifying pass runs 1 + k query tokens per request on every rank,
         # and rejected drafts roll back the slots all ranks wrote; a prefix hit, 120 tokens, and n=2 on the copy
         # prompt (271 prompt tokens and 96 decoded on 160 slots: preempted while speculating)
         engine.spec = spec
-        before = engine.get_stats()["num_preemptions"]
+        before = engine.get_stats().num_preemptions
         outs = llm.generate(prompts[1:3] + [copy], [LONG, LONG, SamplingParams(temperature=0, max_tokens=24,
                                                                                    ignore_eos=True, n=2)])
         assert [[c.token_ids for c in o.outputs] for o in outs] == [[want[1]], [want[2]], [want[4], want[4]]]
         stats = engine.get_stats()
-        assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_preemptions"] > before
+        assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > before
         # a rank that dies: the next step fails at once with an error naming it, no hang on the collective
         os.kill(engine.tp.procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -169,7 +169,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.mark.slow
 def test_idle_tp3_engine_serves_after_twice_the_timeout_and_a_stopped_rank_fails_the_step(tmp_path, model_dir):
-    # issue 24: the ranks waited for rank 0's next order under PDSERVE_TP_TIMEOUT_S, so an engine idle that long
+    # the ranks waited for rank 0's next order under PDSERVE_TP_TIMEOUT_S, so an engine idle that long
     # lost them and the next generate raised TPRankDied. A rank that hangs inside a step must still fail it.
     import json
     import subprocess

@@ -1,4 +1,4 @@
-"""Multi-node tensor parallelism (issue 14): the ranks of one engine in separate OS processes ("nodes") that meet
+"""Multi-node tensor parallelism: the ranks of one engine in separate OS processes ("nodes") that meet
 through the leader's rendezvous over TCP on localhost, as a LeaderWorkerSet's pods do through the leader's address.
 
 Oracles: the single-process engine's greedy tokens on the same random Llama (fp32); the exact one-line errors of a
@@ -111,8 +111,8 @@ def test_leader_and_worker_nodes_give_tp1_greedy_and_fail_fast_when_the_other_di
     if killed == "worker":  # the leader is idle: its watchdog sees the node's heartbeat stop
         assert rc == 3
         assert _last_line(leader_log).endswith(
-            f"tensor-parallel node 1 of 2 (ranks 2..3 of 4) sent no heartbeat for 5 s; the engine cannot continue "
-            f"without it: exiting")
+            "tensor-parallel node 1 of 2 (ranks 2..3 of 4) sent no heartbeat for 5 s; the engine cannot continue "
+            "without it: exiting")
     else:
         assert rc == 1
         assert _last_line(worker_log).partition("]: ")[2].startswith(f"lost the tensor-parallel leader at 127.0.0.1:{port}: ")

@@ -1,4 +1,4 @@
-"""Chart: multi-node tensor parallelism renders a LeaderWorkerSet per tier (issue 14).
+"""Chart: multi-node tensor parallelism renders a LeaderWorkerSet per tier.
 
 Oracles: our JSON Schema of the LeaderWorkerSet CRD (lws_schema.py: written from the CRD's Go types, with the pod
 templates checked against Kubernetes' own PodTemplateSpec schema); the real `pdserve tp-worker` command parsing

@@ -1,4 +1,4 @@
-"""Chart: ``tensorParallelSize`` per tier sets the ranks per pod and, on cuda, the GPUs per pod (issue 14)."""
+"""Chart: ``tensorParallelSize`` per tier sets the ranks per pod and, on cuda, the GPUs per pod."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ import pytest
 
 import pdserve.kernels.triton_paged_attention_prefill  # noqa: F401  (build the kernels for DEVICE now)
 from pdserve.kernels.backend import (
-    TorchAttentionBackend,
     TritonAttentionBackend,
     get_attention_backend,
 )

@@ -1,5 +1,5 @@
 """The cause the router logs for a request whose queue entry vanished and whose decode pod does not hold it
-(``PrefillWatch.check``, issue 30): after a decode pod's death it must point at the pod, not at Redis; a missing
+(``PrefillWatch.check``): after a decode pod's death it must point at the pod, not at Redis; a missing
 consumer group or a Redis restarted since the request was queued point at Redis. Real redis-server; the decode
 pod's ``GET /v1/requests/{id}`` answer (``{"held": false}``) is served by an httpx transport."""
 

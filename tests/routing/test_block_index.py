@@ -9,7 +9,6 @@ and never after the pod's heartbeat expired.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 
 import httpx

@@ -153,7 +153,7 @@ async def test_dispatcher_prefills_locally_without_a_prefill_pod_and_round_robin
     d = Dispatcher(None, registry, DispatchConfig(fallback_max_tokens=64, routing=RoutingConfig("kv")))
     pl = await d.place(64, PREFIX[:64])
     assert pl.local_prefill and pl.reason == "no prefill pod alive"
-    # a long prompt never falls back to a decode pod's batch (issue 12.C): it waits in the prefill queue
+    # a long prompt never falls back to a decode pod's batch: it waits in the prefill queue
     for mode in ("kv", "least_loaded"):
         d = Dispatcher(None, registry, DispatchConfig(fallback_max_tokens=64, routing=RoutingConfig(mode)))
         pl = await d.place(len(PREFIX), PREFIX)

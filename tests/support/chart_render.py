@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import helm_python as helm  # pip install helm-python-sdk
+import helm_python as helm  # noqa: F401  (pip install helm-python-sdk; tests import it from here)
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository

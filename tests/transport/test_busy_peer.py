@@ -1,4 +1,4 @@
-"""A decode pod that is alive but slow to answer (issue 12 item 1): its engine runs long steps on a loaded CPU, and
+"""A decode pod that is alive but slow to answer: its engine runs long steps on a loaded CPU, and
 reserve and commit wait for the step. The client waits past ``request_timeout_s`` while ``peer_alive`` says the pod's
 heartbeat is fresh, and gives up (``timed_out``, saying why) once it is not. Real TCP, a real transfer server."""
 

@@ -32,7 +32,7 @@ async def serving(connector, receiver, **kw):
 
 
 def sender(connector, server, layout, secret=SECRET):
-    endpoint = connector.endpoint("127.0.0.1", connector.pod_fields(server)["kv_port"])
+    endpoint = connector.endpoint("127.0.0.1", connector.pod_fields(server)["kv_endpoint"])
     return connector.client_class(endpoint.host, endpoint.port, layout, secret)
 
 
@@ -203,3 +203,40 @@ def test_a_bad_kv_transfer_config_is_refused_with_a_clear_error(text, error):
     with pytest.raises(KVConnectorError) as exc:
         KVConnectorFactory.create_connector(text)
     assert error in str(exc.value)
+
+
+@pytest.mark.asyncio
+async def test_each_backend_endpoint_travels_from_the_registry_through_the_router_to_the_prefill_pod(connector, layout):
+    # the decode pod advertises its backend's own fields; the router copies them into the queue entry unread; the
+    # prefill pod's connector parses them back into the endpoint its sender reaches the server at
+    from pdserve.services.router.dispatch import ChoiceSpec, build_requests
+    from pdserve.services.router.placement import Placement
+    from pdserve.shared.protocol.messages import PrefillRequest
+    from pdserve.shared.protocol.registry import PodInfo
+    from pdserve.shared.protocol.sampling_params import SamplingParams
+
+    server = await serving(connector, PoolReceiver(layout))
+    try:
+        pod = PodInfo(pod_id="decode-0", role="decode", host="127.0.0.1", http_port=8001, model="m",
+                      **connector.pod_fields(server))
+        pod = PodInfo.model_validate_json(pod.model_dump_json())  # as the registry stores and serves it
+        assert pod.kv_endpoint == connector.endpoint_fields(server)
+        [req] = build_requests(Placement(pod, local_prefill=False), [1, 2, 3],
+                               [ChoiceSpec("r-1", 0, SamplingParams(max_tokens=2))], model="m", router_id=None)
+        req = PrefillRequest.decode(req.encode())
+        endpoint = connector.endpoint(req.decode_host, req.decode_kv_endpoint)
+        assert (endpoint.host, endpoint.port) == ("127.0.0.1", server.port)
+        async with connector.client_class(endpoint.host, endpoint.port, layout, SECRET) as client:
+            assert (await client.reserve(Reserve("r-1", [1, 2, 3], 3, [], None))).ok
+    finally:
+        await server.stop()
+
+
+def test_an_endpoint_without_its_backend_field_is_refused_naming_it():
+    loopback = KVConnectorFactory.create_connector('{"kv_connector": "loopback"}')
+    with pytest.raises(KVConnectorError, match="'loopback_id'"):
+        loopback.endpoint("10.0.0.1", {"port": 9000})  # a tcp pod's fields
+    tcp = KVConnectorFactory.create_connector(None)
+    with pytest.raises(KVConnectorError, match="'port' must be a port"):
+        tcp.endpoint("10.0.0.1", {"port": "9000"})
+    assert tcp.endpoint("10.0.0.1", 9000).port == 9000  # a bare kv_port: a router that predates kv_endpoint

@@ -182,7 +182,7 @@ async def test_a_client_dying_mid_transfer_releases_its_blocks(layout):
     ({"block_size": 32}, "layout_mismatch: KV layout mismatch: block_size server 16 != client 32"),
     ({"dtype": "bfloat16"}, "layout_mismatch: KV layout mismatch: dtype server 'float32' != client 'bfloat16'"),
     ({"num_kv_heads": 9}, "layout_mismatch: KV layout mismatch: num_kv_heads server 3 != client 9"),
-    # tensor parallelism: ranks that do not hold every KV head between them cannot be mapped (issue 14)
+    # tensor parallelism: ranks that do not hold every KV head between them cannot be mapped
     ({"tensor_parallel_size": 2, "kv_head_ranges": ((0, 1), (1, 1))},
      "layout_mismatch: KV layout mismatch: client (tensor_parallel_size 2): KV head ranges [[0, 1], [1, 1]] do not "
      "cover the 3 KV heads exactly"),

@@ -1,4 +1,4 @@
-"""A KV port that accepts connections and never answers (issue 12 item 10): the client gives up within its
+"""A KV port that accepts connections and never answers: the client gives up within its
 timeout with a reason that says so (``TimeoutError()`` alone has an empty message), marked ``timed_out``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Keep-alive events (issue 12 item 1): a worker writes one to each request it holds that has been silent for
+"""Keep-alive events: a worker writes one to each request it holds that has been silent for
 ``output_keepalive_s``, none while its engine counts as stuck; the router's relay skips them (tests/chaos/
 test_relay_exactly_once.py). Real redis-server; the worker is played by the few attributes the loop reads."""
 

@@ -14,6 +14,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from pdserve.shared.engine.stats import EngineStats
 from pdserve.services.prefill.worker import PrefillSettings, PrefillWorker, RequestAborted
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import OutputEvent, PrefillRequest
@@ -48,8 +49,8 @@ class BlockingEngine:
     def abort_request(self, request_id: str) -> bool:
         return False
 
-    def get_stats(self) -> dict:
-        return {}
+    def get_stats(self) -> EngineStats:
+        return EngineStats(block_size=16)
 
     def take_exports(self) -> dict:
         return {}

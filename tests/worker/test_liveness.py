@@ -1,4 +1,4 @@
-"""A worker's liveness never waits for its engine (issue 12.C): the registry heartbeat is built on the worker's
+"""A worker's liveness never waits for its engine: the registry heartbeat is built on the worker's
 own loop while one engine step runs for as long as it must; only an engine that makes no progress for
 ``engine_stall_s`` stops the heartbeat and turns ``/health`` to 503 -- and it comes back when the step ends.
 
@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from pdserve.shared.engine.stats import EngineStats
 from pdserve.shared.worker.engine_thread import EngineThread
 from pdserve.services.decode.worker import DecodeSettings, DecodeWorker
 from support.tiny_llama import make_tiny_llama
@@ -37,9 +38,8 @@ class SlowEngine:
         self.steps += 1
         return []
 
-    def get_stats(self) -> dict:
-        return {"kv_blocks_total": 100, "kv_blocks_used": 0, "num_running": 1, "num_waiting": 0,
-                "steps": self.steps}
+    def get_stats(self) -> EngineStats:
+        return EngineStats(kv_blocks_total=100, num_running=1, num_steps=self.steps, block_size=16)
 
 
 def test_heartbeat_does_not_wait_for_a_long_step_and_a_stuck_engine_stops_it(redis_url):
@@ -96,7 +96,7 @@ def test_heartbeat_does_not_wait_for_a_long_step_and_a_stuck_engine_stops_it(red
 def test_a_prefill_pod_prefills_a_long_prompt_in_bounded_steps_and_an_abort_between_them_frees_it(
         model_dir, tmp_path):
     """The prefill pod's default step budget bounds what an abort (or a stats call, or a new request) waits for:
-    one 2048-token chunk, not a whole long prompt (issue 12.C). A random 2-layer Llama keeps the chunk cheap; the
+    one 2048-token chunk, not a whole long prompt. A random 2-layer Llama keeps the chunk cheap; the
     budget, not the model, bounds the step."""
     from pdserve.services.prefill.worker import PrefillSettings
     from pdserve.shared.engine.llm_engine import LLMEngine
@@ -114,4 +114,4 @@ def test_a_prefill_pod_prefills_a_long_prompt_in_bounded_steps_and_an_abort_betw
     assert request.num_computed_tokens == budget and not request.is_finished
     assert engine.abort_request("long")  # what the worker's abort runs between two steps
     assert not engine.has_unfinished_requests()
-    assert engine.get_stats()["kv_blocks_used"] == 0
+    assert engine.get_stats().kv_blocks_used == 0

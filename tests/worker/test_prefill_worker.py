@@ -160,8 +160,8 @@ def test_prompts_that_arrive_together_are_prefilled_together_and_each_gets_its_o
 
     worker, stats, firsts, pending = asyncio.run(main())
     assert pending == 0 and all(len(f) == 1 for f in firsts), (pending, firsts)
-    assert stats["peak_num_running"] >= 16, stats
-    assert stats["num_steps"] <= 4, stats
+    assert stats.peak_num_running >= 16, stats
+    assert stats.num_steps <= 4, stats
     engine = worker.engine  # its thread has stopped: the oracle runs each prompt alone on the same weights
     alone = []
     for i, ids in enumerate(prompts):

@@ -43,7 +43,7 @@ class KVHandover:
         self.waiting: dict[str, asyncio.Task] = {}
 
     def endpoint(self, req: PrefillRequest) -> KVEndpoint:
-        return self.connector.endpoint(req.decode_host, req.decode_kv_port)
+        return self.connector.endpoint(req.decode_host, req.decode_kv_endpoint or req.decode_kv_port)
 
     async def hand_over(self, req: PrefillRequest, first_token: int, first_token_time: float | None,
                         block_hashes: list[str], kv: torch.Tensor, span=None) -> bool:

@@ -99,7 +99,8 @@ def build_requests(placement: Placement, prompt_token_ids: list[int], choices: S
     return [PrefillRequest(
         request_id=c.request_id, model=model, prompt_token_ids=prompt_token_ids,
         sampling_params=c.sampling_params, decode_pod_id=pod.pod_id, decode_host=pod.host,
-        decode_kv_port=int(pod.kv_port), arrival_time=arrival, deadline=None, cache_salt=cache_salt,
+        decode_kv_port=int(pod.kv_port), decode_kv_endpoint=dict(getattr(pod, "kv_endpoint", None) or {}),
+        arrival_time=arrival, deadline=None, cache_salt=cache_salt,
         priority=priority, choice_index=c.choice_index, output_token_ids=c.output_token_ids,
         output_text_len=c.output_text_len, router_id=router_id, traceparent=c.traceparent) for c in choices]
 

@@ -17,7 +17,6 @@ from .settings import RouterSettings, load_settings
 @settings_options(RouterSettings)
 def command(**flags: Any) -> None:
     """Run the router (OpenAI-compatible REST gateway). Flags override PDSERVE_* environment variables."""
-    import uvicorn
 
     from .app import create_app
     from .drain import DrainingServer

@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               PlatformCollector, ProcessCollector)
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+
+from pdserve.shared.metric_table import Metric, build
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -21,57 +22,57 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 
+_T, _I, _E = tuple(TTFT_BUCKETS), tuple(ITL_BUCKETS), tuple(E2E_BUCKETS)
+# Every row but two carries the ``model_name`` label (the base label).
+METRICS = (
+    Metric("requests", "counter", "pdserve:router_requests", "HTTP requests by endpoint and status",
+           ("endpoint", "status"), base=False),
+    Metric("running", "gauge", "pdserve:num_requests_running", "Requests this router is serving now"),
+    # 1 when the last /metrics scrape reached Redis, else 0 (the PdserveRedisUnreachable alert, docs/runbooks.md)
+    Metric("redis_up", "gauge", "pdserve:redis_up", "1 if Redis answered at the last scrape, else 0", base=False),
+    Metric("queue_depth", "gauge", "pdserve:prefill_queue_depth", "Entries in the prefill stream (XLEN)"),
+    Metric("ttft", "histogram", "pdserve:time_to_first_token_seconds", "Time to first token seen by the router",
+           buckets=_T),
+    Metric("itl", "histogram", "pdserve:inter_token_latency_seconds", "Gap between output events of a choice",
+           buckets=_I),
+    Metric("tpot", "histogram", "pdserve:time_per_output_token_seconds", "Mean time per output token after the first",
+           buckets=_I),
+    Metric("e2e", "histogram", "pdserve:e2e_request_latency_seconds", "Request latency seen by the router",
+           buckets=_E),
+    # usage as clients got it: only the router counts these names (workers count compute under other names), so a
+    # sum over every pod of the ensemble is the sum of the responses' usage (docs/metrics.md "Counters")
+    Metric("prompt_tokens", "counter", "pdserve:prompt_tokens", "Prompt tokens of finished requests"),
+    Metric("generation_tokens", "counter", "pdserve:generation_tokens", "Generated tokens of finished requests"),
+    Metric("prompt_tokens_cached", "counter", "pdserve:prompt_tokens_cached", "Prompt tokens of finished requests "
+           "served from a prefix cache (usage.prompt_tokens_details.cached_tokens)"),
+    Metric("success", "counter", "pdserve:request_success", "Finished choices by finish reason", ("finished_reason",)),
+    Metric("aborted", "counter", "pdserve:requests_aborted", "Requests aborted (client gone, timeout, error)",
+           ("reason",)),
+    # decision: local | remote; reason: the policy's filter or picker that decided (pd_policy.REASONS)
+    Metric("pd_decisions", "counter", "pdserve:pd_decisions", "Prefill placement decisions (choices), by reason",
+           ("decision", "reason")),
+    Metric("migrations", "counter", "pdserve:request_migrations", "Choices moved off a dead decode pod", ("reason",)),
+    # KV-aware routing: chosen pods, and the prompt blocks the chosen pod already held (expected hit rate)
+    Metric("routing_decisions", "counter", "pdserve:routing_decisions", "Decode pods chosen, by routing mode",
+           ("mode", "pod")),
+    Metric("routing_prompt_blocks", "counter", "pdserve:routing_prompt_blocks", "Full prompt blocks of routed requests"),
+    Metric("routing_cached_blocks", "counter", "pdserve:routing_cached_blocks",
+           "Prompt blocks the chosen decode pod already held (registry lookup)"),
+)
+BASE_LABELS = ("model_name",)
+
+
 class RouterMetrics:
-    """One registry per app, so several routers (tests) live in one process."""
+    """The router's metrics (``METRICS``), each an attribute by its row's ``attr``. One registry per app, so
+    several routers (tests) live in one process."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, open fds
         PlatformCollector(registry=self.registry)
-        r, m = self.registry, ["model_name"]
         self.model_name = model_name
-        self.requests = Counter("pdserve:router_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.running = Gauge("pdserve:num_requests_running", "Requests this router is serving now",
-                             m, registry=r).labels(model_name)
-        # 1 when the last /metrics scrape reached Redis, else 0 (the PdserveRedisUnreachable alert, docs/runbooks.md)
-        self.redis_up = Gauge("pdserve:redis_up", "1 if Redis answered at the last scrape, else 0", registry=r)
-        self.queue_depth = Gauge("pdserve:prefill_queue_depth", "Entries in the prefill stream (XLEN)",
-                                 m, registry=r).labels(model_name)
-        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token seen by the router",
-                              m, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Gap between output events of a choice",
-                             m, buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.tpot = Histogram("pdserve:time_per_output_token_seconds", "Mean time per output token after the first",
-                              m, buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request latency seen by the router",
-                             m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests",
-                                     m, registry=r).labels(model_name)
-        # usage as clients got it: only the router counts these names (workers count compute under other names),
-        # so a sum over every pod of the ensemble is the sum of the responses' usage (docs/metrics.md "Counters")
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens of finished requests",
-                                         m, registry=r).labels(model_name)
-        self.prompt_tokens_cached = Counter("pdserve:prompt_tokens_cached",
-                                            "Prompt tokens of finished requests served from a prefix cache "
-                                            "(usage.prompt_tokens_details.cached_tokens)", m, registry=r).labels(model_name)
-        self.success = Counter("pdserve:request_success", "Finished choices by finish reason",
-                               m + ["finished_reason"], registry=r)
-        self.aborted = Counter("pdserve:requests_aborted", "Requests aborted (client gone, timeout, error)",
-                               m + ["reason"], registry=r)
-        # decision: local | remote; reason: the policy's filter or picker that decided (pd_policy.REASONS)
-        self.pd_decisions = Counter("pdserve:pd_decisions", "Prefill placement decisions (choices), by reason",
-                                    m + ["decision", "reason"], registry=r)
-        self.migrations = Counter("pdserve:request_migrations", "Choices moved off a dead decode pod",
-                                  m + ["reason"], registry=r)
-        # KV-aware routing: chosen pods, and the prompt blocks the chosen pod already held (expected hit rate)
-        self.routing_decisions = Counter("pdserve:routing_decisions", "Decode pods chosen, by routing mode",
-                                         m + ["mode", "pod"], registry=r)
-        self.routing_prompt_blocks = Counter("pdserve:routing_prompt_blocks", "Full prompt blocks of routed requests",
-                                             m, registry=r).labels(model_name)
-        self.routing_cached_blocks = Counter("pdserve:routing_cached_blocks",
-                                             "Prompt blocks the chosen decode pod already held (registry lookup)",
-                                             m, registry=r).labels(model_name)
+        for attr, metric in build(METRICS, self.registry, {"model_name": model_name}).items():
+            setattr(self, attr, metric)
 
     def observe_routing(self, mode: str, pod_id: str, num_blocks: int, cached_blocks: int) -> None:
         self.routing_decisions.labels(self.model_name, mode, pod_id).inc()

@@ -291,7 +291,6 @@ class ResponseBuilder:
             event.text = text + event.text
             if self.want_logprobs and self.kind != "chat":
                 echo_lps = echo_logprobs(self.token_str, ids, event.prompt_logprobs, self.num_logprobs)
-        offset = choice.text_len
         choice.add(event)
         if not event.text and not event.finished and not event.logprobs and echo_lps is None:
             return None

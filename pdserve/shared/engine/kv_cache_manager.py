@@ -19,7 +19,7 @@ from pdserve.shared.engine.request import Request
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Prefix-cache lookups in tokens, one per request admitted (a lookup whose allocation failed and is
-    retried next step is not counted twice). Three kinds, never mixed (issue 17.2):
+    retried next step is not counted twice). Three kinds, never mixed:
 
     - ``queries``/``hits``: a new request's prompt (vLLM's ``prefix_cache_queries``/``hits``): tokens whose
       computation the cache saved.

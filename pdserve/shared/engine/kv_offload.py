@@ -30,7 +30,7 @@ import time
 import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -390,14 +390,11 @@ class KVOffloadManager:
         with self._lock:
             return {"cpu": self.cpu.hashes(), "disk": self.disk.hashes() if self.disk is not None else []}
 
-    def get_stats(self) -> dict:
-        """``kv_offload_<tier>_<stat>`` for every ``TierStats`` field of both tiers (a missing disk tier: zeros)."""
-        out = {}
-        for name, tier in (("cpu", self.cpu), ("disk", self.disk)):
-            with self._lock:
-                stats = asdict(tier.stats) if tier is not None else asdict(TierStats())
-            out.update({f"kv_offload_{name}_{k}": v for k, v in stats.items()})
-        return out
+    def tier_stats(self) -> dict[str, TierStats]:
+        """A copy of both tiers' ``TierStats``, by tier name (a missing disk tier: zeros)."""
+        with self._lock:  # the loader threads count hits and bytes as they go
+            return {name: replace(tier.stats) if tier is not None else TierStats()
+                    for name, tier in (("cpu", self.cpu), ("disk", self.disk))}
 
 
 def build_offload(config, model_dir: str, kv_spec, kv_cache) -> KVOffloadManager | None:

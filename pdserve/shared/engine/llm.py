@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.llm_engine import LLMEngine
 from pdserve.shared.engine.outputs import RequestOutput
+from pdserve.shared.engine.stats import EngineStats
 from pdserve.shared.protocol.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -103,9 +104,7 @@ class LLM:
         same prompts; returns False, doing nothing, while requests hold KV blocks."""
         return self.llm_engine.reset_prefix_cache()
 
-    def get_stats(self) -> dict:
-        """KV and scheduling counters: ``kv_blocks_total``, ``kv_blocks_used``, ``kv_tokens_live``,
-        ``peak_kv_blocks_used``, ``peak_kv_tokens_live``, ``prefix_cache_queries``,
-        ``prefix_cache_hits`` (tokens), ``prompt_tokens_computed``, ``generation_tokens``,
-        ``num_preemptions``, and more."""
+    def get_stats(self) -> EngineStats:
+        """KV and scheduling gauges and totals (``EngineStats``: ``kv_blocks_used``, ``prefix_cache_hits`` in tokens,
+        ``prompt_tokens_computed``, ``num_preemptions``, ...); ``.as_dict()`` gives the flat wire form."""
         return self.llm_engine.get_stats()

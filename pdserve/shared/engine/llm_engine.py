@@ -36,7 +36,7 @@ from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.spec_decode.draft_model import draft_kv_bytes_per_block
 from pdserve.shared.engine.spec_decode.spec_decoder import SpecDecoder, split_logits_rows
 from pdserve.shared.engine.step_log import StepLog
-from pdserve.shared.engine.stats import EngineCounters, kv_and_scheduler_stats
+from pdserve.shared.engine.stats import EngineCounters, EngineStats, kv_and_scheduler_stats
 from pdserve.shared.engine.structured_output import StructuredOutputManager
 from pdserve.shared.engine.swap import SwapManager
 from pdserve.shared.models.loader import load_config
@@ -201,7 +201,7 @@ class LLMEngine:
                 self.kv_manager.loads.wait_any(0.05)  # nothing to run but blocks loading from a tier: likewise
             # A step can preempt every running request and schedule nothing (the pool held by reservations): its
             # swap-outs must still happen, or the swapped request resumes from CPU blocks that never received
-            # its KV (issue 12.B: a seeded choice's text changed under swap).
+            # its KV (otherwise a seeded choice's text changed under swap).
             self.kv_cache.swap_out(out.blocks_to_swap_out)
             return []
         self.stats.count_scheduled(out)
@@ -326,12 +326,10 @@ class LLMEngine:
         return self.kv_manager.reset_prefix_cache()
 
     # stats
-    def get_stats(self) -> dict:
-        """Gauges and running totals (tokens unless named otherwise): see ``EngineCounters`` and
-        ``kv_and_scheduler_stats``; ``peak_*`` since the last ``stats.reset_peaks()``; ``spec_decode_*`` (with a
-        ``speculative_config`` only): ``SpecDecoder.get_stats``."""
-        return {**kv_and_scheduler_stats(self.scheduler, self.kv_manager), **self.stats.as_dict(),
-                "block_size": self.kv_spec.block_size, "max_model_len": self.max_model_len,
-                "tensor_parallel_size": self.config.tensor_parallel_size,
-                **(self.offload.get_stats() if self.offload is not None else {}),
-                **(self.spec.get_stats() if self.spec is not None else {})}
+    def get_stats(self) -> EngineStats:
+        """Gauges and running totals now (``EngineStats``); ``peak_*`` since the last ``stats.reset_peaks()``."""
+        return EngineStats(**kv_and_scheduler_stats(self.scheduler, self.kv_manager), **self.stats.as_dict(),
+                           block_size=self.kv_spec.block_size, max_model_len=self.max_model_len,
+                           tensor_parallel_size=self.config.tensor_parallel_size,
+                           offload=self.offload.tier_stats() if self.offload is not None else {},
+                           **(self.spec.get_stats() if self.spec is not None else {}))

@@ -1,8 +1,12 @@
-"""The engine's running totals and peaks, and the gauges ``LLMEngine.get_stats`` reports beside them."""
+"""The engine's running totals and peaks, and ``EngineStats``: the typed snapshot ``LLMEngine.get_stats`` returns.
+
+Stats cross from the engine thread to the worker (metrics, heartbeats, ``/v1/stats``) as one frozen dataclass, so a
+misspelled name is an ``AttributeError`` where a dict would have read 0.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 from pdserve.shared.engine.kv_cache_manager import KVCacheManager
 from pdserve.shared.engine.scheduler import Scheduler, SchedulerOutput
@@ -44,6 +48,68 @@ class EngineCounters:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One snapshot of an engine: gauges (``num_*``, ``kv_blocks_*``, ``kv_cache_usage`` in 0..1) and running totals
+    (tokens unless named otherwise; ``EngineCounters``, ``kv_and_scheduler_stats``). ``spec_decode_*`` are vLLM's
+    speculative-decoding counters (0 without a ``speculative_config``; ``SpecDecoder.get_stats``); ``offload`` maps
+    a tier name (``cpu``, ``disk``) to its ``TierStats`` (empty without offloading tiers)."""
+
+    # the KV pool and the scheduler, now
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_cache_usage: float = 0.0
+    kv_tokens_live: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_requests_swapped: int = 0
+    cpu_swap_blocks_total: int = 0
+    cpu_swap_blocks_used: int = 0
+    # configuration
+    preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
+    block_size: int = 0
+    max_model_len: int = 0
+    tensor_parallel_size: int = 1
+    # totals: the prefix cache (new requests' lookups plus a decode pod's reservations), preemption, swap
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_transfer_queries: int = 0
+    prefix_cache_transfer_hits: int = 0
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
+    num_preemptions: int = 0
+    kv_blocks_swapped_out: int = 0
+    kv_blocks_swapped_in: int = 0
+    # totals and peaks: EngineCounters
+    prompt_tokens_computed: int = 0
+    prompt_tokens_recomputed: int = 0
+    generation_tokens: int = 0
+    sampled_tokens: int = 0
+    peak_kv_blocks_used: int = 0
+    peak_kv_tokens_live: int = 0
+    peak_num_running: int = 0
+    num_steps: int = 0
+    # speculative decoding
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    spec_decode_acceptance_rate: float = 0.0
+    spec_decode_mean_accepted_length: float = 0.0
+    # offloading tiers: tier name -> TierStats (pdserve/shared/engine/kv_offload.py)
+    offload: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        """The wire form (``/v1/stats``): every field by name, ``spec_decode_num_accepted_tokens_per_pos`` as a list,
+        and each tier's stats flattened to ``kv_offload_<tier>_<stat>``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "offload"}
+        out["spec_decode_num_accepted_tokens_per_pos"] = list(self.spec_decode_num_accepted_tokens_per_pos)
+        for tier, stats in self.offload.items():
+            out.update({f"kv_offload_{tier}_{k}": v for k, v in asdict(stats).items()})
+        return out
 
 
 def live_tokens(scheduler: Scheduler) -> int:

@@ -92,6 +92,9 @@ class PrefillRequest:
     router_id: str | None = None
     # W3C trace context of the router's request span (pdserve/shared/tracing.py); None: not traced
     traceparent: str | None = None
+    # The decode pod's KV-connector endpoint fields (``PodInfo.kv_endpoint``); empty: a router that predates them,
+    # and ``decode_kv_port`` is the endpoint
+    decode_kv_endpoint: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int:

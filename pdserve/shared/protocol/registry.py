@@ -17,7 +17,7 @@ Block events and prefix lookups (``/v1/kv/...``): see ``pdserve/shared/protocol/
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -30,8 +30,10 @@ POD_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
 class PodInfo(BaseModel):
     """One pod's registration and load, sent with every heartbeat.
 
-    Blocks are KV-cache blocks of ``block_size`` tokens. ``kv_port``: the decode pod's KV-transfer
-    TCP port (0 for prefill pods). ``colocated``: a decode pod that prefills its own requests.
+    Blocks are KV-cache blocks of ``block_size`` tokens. ``kv_endpoint``: a decode pod's KV-connector endpoint
+    fields, as its backend defines them (``KVConnector.endpoint_fields``: tcp and shm ``{"port"}``, loopback
+    ``{"loopback_id"}``; empty for prefill pods and pods that predate it). ``kv_port``: the decode pod's
+    KV-transfer port, kept for readers that predate ``kv_endpoint`` (0 for prefill pods). ``colocated``: a decode pod that prefills its own requests.
     ``started_at``/``last_heartbeat``: unix seconds; ``last_heartbeat`` is stamped by the registry
     (Redis server clock), whatever the pod sends.
     """
@@ -43,6 +45,7 @@ class PodInfo(BaseModel):
     host: str = Field(min_length=1, max_length=253)
     http_port: int = Field(ge=1, le=65535)
     kv_port: int = Field(0, ge=0, le=65535)
+    kv_endpoint: dict[str, Any] = Field(default_factory=dict, max_length=16)
     model: str = Field(min_length=1, max_length=512)
     block_size: int = Field(16, ge=1)
     total_blocks: int = Field(0, ge=0)

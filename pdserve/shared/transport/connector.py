@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -75,11 +76,13 @@ class KVTransferConfig:
 
 @dataclass(frozen=True, slots=True)
 class KVEndpoint:
-    """Where a decode pod takes hand-overs, as the router passes it to the prefill pod (``PrefillRequest``'s
-    ``decode_host`` and ``decode_kv_port``, from the pod's registry entry: ``PodInfo.host``, ``kv_port``)."""
+    """Where a decode pod takes hand-overs: its address (``PodInfo.host``, passed on as ``PrefillRequest``'s
+    ``decode_host``), the port its sender connects to, and any other field its backend advertises (``extra``:
+    sorted ``(name, value)`` pairs, so an endpoint stays hashable: the prefill pod keys a FIFO line by it)."""
 
     host: str
     port: int
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 class KVConnector:
@@ -106,13 +109,32 @@ class KVConnector:
         server.connector_name = self.name
         return server
 
-    def pod_fields(self, server: KVTransferServer) -> dict[str, Any]:
-        """What the decode pod advertises in the registry so senders reach ``server``."""
-        return {"kv_port": server.port}
+    def endpoint_fields(self, server: KVTransferServer) -> dict[str, Any]:
+        """This backend's endpoint fields for ``server`` (msgpack- and JSON-safe values): the decode pod advertises
+        them as ``PodInfo.kv_endpoint``, the router passes them on as ``PrefillRequest.decode_kv_endpoint``, and
+        :meth:`endpoint` reads them back on the prefill pod. The pod's address is ``PodInfo.host``, not a field.
+        tcp (and shm, whose control connection is tcp's): ``{"port": ...}``."""
+        return {"port": server.port}
 
-    def endpoint(self, host: str, kv_port: int) -> KVEndpoint:
-        """A decode pod's endpoint from what the router passed on (its registry ``host`` and ``kv_port``)."""
-        return KVEndpoint(host, kv_port)
+    def pod_fields(self, server: KVTransferServer) -> dict[str, Any]:
+        """What the decode pod advertises in the registry so senders reach ``server``: ``kv_endpoint`` (the
+        backend's fields) and ``kv_port`` (for readers that predate ``kv_endpoint``)."""
+        return {"kv_port": server.port, "kv_endpoint": self.endpoint_fields(server)}
+
+    def endpoint(self, host: str, fields: Mapping[str, Any] | int) -> KVEndpoint:
+        """A decode pod's endpoint from its address and the fields :meth:`endpoint_fields` advertised (an int: a
+        bare ``kv_port`` from a router or pod that predates ``kv_endpoint``). Raises :class:`KVConnectorError`
+        naming a missing or invalid field."""
+        if isinstance(fields, int):
+            fields = {"port": fields}
+        return KVEndpoint(host, self._port(fields, "port"))
+
+    def _port(self, fields: Mapping[str, Any], name: str) -> int:
+        port = fields.get(name)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise KVConnectorError(f"kv_connector {self.name}: endpoint field {name!r} must be a port (1-65535), "
+                                   f"got {port!r} in {dict(fields)}")
+        return port
 
 
 class KVConnectorFactory:

@@ -22,7 +22,7 @@ class KVLayout:
     shape ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` in ``dtype``
     (``"float32"``, ``"bfloat16"`` or ``"float16"``). ``model`` names the weights that produced it.
 
-    Tensor parallelism (issue 14): ``num_kv_heads`` is always the model's, since blocks travel with every KV head
+    Tensor parallelism: ``num_kv_heads`` is always the model's, since blocks travel with every KV head
     (rank 0 gathers them from its ranks before sending and scatters them to its ranks on receipt), so pods of
     different TP sizes exchange KV. ``tensor_parallel_size`` and ``kv_head_ranges`` (per rank, the
     ``(first, count)`` of the KV heads it holds) say how each end splits them; an end whose ranks do not cover

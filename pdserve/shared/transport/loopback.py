@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from pdserve.shared.transport.client import KVTransferClient
-from pdserve.shared.transport.connector import KVConnector
+from pdserve.shared.transport.connector import KVConnector, KVEndpoint
 from pdserve.shared.transport.server import KVTransferServer
 from pdserve.shared.transport.stream import FrameConnection
 
@@ -51,6 +52,17 @@ class LoopbackKVTransferClient(KVTransferClient):
 
 
 class LoopbackConnector(KVConnector):
+    """In-process hand-overs for tests. Its endpoint is its own: ``{"loopback_id": n}``, the number its server is
+    registered under in this process (not a port anything listens on)."""
+
     name: ClassVar[str] = "loopback"
     client_class = LoopbackKVTransferClient
     server_class = LoopbackKVTransferServer
+
+    def endpoint_fields(self, server: KVTransferServer) -> dict[str, Any]:
+        return {"loopback_id": server.port}
+
+    def endpoint(self, host: str, fields: Mapping[str, Any] | int) -> KVEndpoint:
+        if isinstance(fields, int):
+            fields = {"loopback_id": fields}
+        return KVEndpoint(host, self._port(fields, "loopback_id"))

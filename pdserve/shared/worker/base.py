@@ -40,6 +40,7 @@ from pdserve.shared.worker.events import UnpublishableOutput, error_event, publi
 from pdserve.shared.worker.heartbeat import Heartbeater
 from pdserve.shared.worker.keepalive import keepalive_loop
 from pdserve.shared.worker.kv_publisher import KVEventPublisher
+from pdserve.shared.engine.stats import EngineStats
 from pdserve.shared.worker.metrics import WorkerMetrics
 from pdserve.shared.worker.output_writer import OutputWriter
 from pdserve.shared.worker.settings import WorkerSettings
@@ -87,7 +88,7 @@ class Worker:
         self.heartbeater: Heartbeater | None = None
         self.kv_events: KVEventPublisher | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.stats: dict = {}
+        self.stats: EngineStats | None = None  # the last snapshot; None until the engine is built
         self.tasks: list[asyncio.Task] = []
         self.ready = False
         self.requests: dict[str, Tracked] = {}  # the requests this worker publishes output for
@@ -188,7 +189,7 @@ class Worker:
         if self.kv_events is not None:
             self.kv_events.record(self.engine.kv_events())
 
-    def _stats_and_kv_events(self) -> dict:
+    def _stats_and_kv_events(self) -> EngineStats:
         self._drain_kv_events()
         return self.engine.get_stats()
 
@@ -347,14 +348,13 @@ class Worker:
             if self._stats_call is None or self._stats_call.done():
                 self._stats_call = asyncio.ensure_future(self.engine_thread.acall(self._stats_and_kv_events))
                 self._stats_call.add_done_callback(self._took_stats)
-        s = self.stats
+        s = self.stats or EngineStats(block_size=self.settings.block_size)
         return PodInfo(
             pod_id=self.settings.pod_id, role=self.role, host=self.settings.advertise_host,
             http_port=self.http_port, model=self.settings.model,
-            block_size=s.get("block_size", self.settings.block_size), total_blocks=s.get("kv_blocks_total", 0),
-            free_blocks=s.get("kv_blocks_total", 0) - s.get("kv_blocks_used", 0), num_running=s.get("num_running", 0),
-            num_waiting=s.get("num_waiting", 0), started_at=self.started_at, max_model_len=s.get("max_model_len", 0),
-            **self.pod_fields(),
+            block_size=s.block_size, total_blocks=s.kv_blocks_total, free_blocks=s.kv_blocks_total - s.kv_blocks_used,
+            num_running=s.num_running, num_waiting=s.num_waiting, started_at=self.started_at,
+            max_model_len=s.max_model_len, **self.pod_fields(),
         )
 
     def pod_fields(self) -> dict:
@@ -422,7 +422,7 @@ class Worker:
             """Engine counters (``LLMEngine.get_stats``) plus the worker's own; internal, for operators and tests."""
             if self.ready and self.engine_thread.alive:
                 self.stats = await self.engine_thread.acall(self.engine.get_stats)
-            return {**self.stats, **self.worker_stats()}
+            return {**(self.stats.as_dict() if self.stats is not None else {}), **self.worker_stats()}
 
         return app
 

@@ -2,7 +2,7 @@
 
 The router ends a request that has had no output event for ``--request-timeout-s`` (600 s), and it moves a silent
 request off a pod that left the registry. A request can be silent and well for longer than that under load: waiting
-for a full decode pod's KV blocks on the prefill pod (issue 12 item 1), waiting for the prefill pod's own blocks,
+for a full decode pod's KV blocks on the prefill pod, waiting for the prefill pod's own blocks,
 preempted on a decode pod until blocks free up, or queued behind long steps. Every ``output_keepalive_s / 2`` the
 worker writes ``OutputEvent(keepalive=True)`` to the output stream of each request it holds that has been silent for
 ``output_keepalive_s`` (so a request is silent for at most 1.5 x that); the router counts it as output for its
