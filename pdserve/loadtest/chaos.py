@@ -50,8 +50,18 @@ def check(outcomes: list[Outcome], expected: list[Outcome]) -> None:
             got.wrong = got.text != want.text or got.completion_tokens != want.completion_tokens
 
 
-def _out_streams_with_events(r: redis_sync.Redis) -> int:
-    return sum(1 for k in r.scan_iter(match="pdserve:out:*", count=1000) if r.xlen(k) > 0)
+def relayed_request_ids(r: redis_sync.Redis) -> set[str]:
+    """The request ids with events still in a router's relay stream (``keys.relay_stream``; a router trims what it
+    read in whole stream nodes of ~100 entries, so a young request's events are still there) or in a stream of
+    their own (``keys.output_stream``: requests that name no router)."""
+    from pdserve.shared.protocol.messages import OutputBatch
+
+    ids = {k.decode().removeprefix(keys.output_stream("")) for k in r.scan_iter(match=keys.output_stream("*"),
+                                                                                  count=1000)}
+    for stream in r.scan_iter(match=keys.relay_stream("*"), count=1000):
+        for _, fields in r.xrange(stream):
+            ids.update(e.request_id for e in OutputBatch.decode(fields).events)
+    return ids
 
 
 async def prefill_kill(cluster: Cluster, n: int, max_tokens: int, wait_s: float = 6.0) -> Tally:
@@ -66,10 +76,13 @@ async def prefill_kill(cluster: Cluster, n: int, max_tokens: int, wait_s: float 
     r = cluster.redis()
     cluster.pause(*decode)
     try:
+        progress = [0] * n  # tokens each client has: the first tokens out are the clients' own count
         async with httpx.AsyncClient(timeout=120) as client:
-            tasks = [asyncio.create_task(completion(client, cluster.router_url, p, max_tokens)) for p in texts]
-            await asyncio.to_thread(wait_for, lambda: _out_streams_with_events(r) >= n, wait_s)
-            emitted = _out_streams_with_events(r)
+            tasks = [asyncio.create_task(completion(client, cluster.router_url, p, max_tokens,
+                                                    on_token=lambda count, i=i: progress.__setitem__(i, count)))
+                     for i, p in enumerate(texts)]
+            await asyncio.to_thread(wait_for, lambda: sum(1 for c in progress if c) >= n, wait_s)
+            emitted = sum(1 for c in progress if c)
             holders = {c["name"].decode() if isinstance(c["name"], bytes) else c["name"]: c["pending"]
                        for c in r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["consumers"]}
             victim = max(holders, key=holders.get) if holders else cluster.names("prefill")[0]

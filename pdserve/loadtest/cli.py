@@ -56,6 +56,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "structured": ("pdserve.loadtest.structured_bench:structured_command",
                    "TPOT with a JSON schema (structured outputs) vs without, in turns; compile time cold and cached."),
     "sweep": ("pdserve.loadtest.sweep:sweep_command", "Run a list of rates (or up to saturation) and report SLO capacity."),
+    "token-cost": ("pdserve.loadtest.token_cost:token_cost_command",
+                   "Redis commands, Redis CPU and router CPU per generated token under `pdserve up`, checkouts in turns."),
     "throughput": ("pdserve.loadtest.throughput_bench:throughput_command",
                    "Offline throughput in turns: pdserve vs HF static, HF continuous batching and vLLM-CPU."),
     "multi-turn": ("pdserve.loadtest.kv_tiers_bench:multi_turn_command",

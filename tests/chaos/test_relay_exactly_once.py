@@ -135,3 +135,40 @@ def test_keepalive_events_hold_off_the_silence_bound_and_reach_no_client(redis_u
         await redis.aclose()
 
     run(scenario())
+
+
+def test_relay_stream_replay_then_migration_gives_each_token_once(redis_url):
+    """The same fault sequence on a router's relay stream (one ``OutputBatch`` per step, ``RelayReader``): a
+    replayed first token, a dead decode pod, a migrated request that resumes, and a late event of the old request
+    after the move -- the client gets each token once."""
+    from pdserve.services.router.relay_reader import RelayReader
+    from pdserve.shared.worker.events import publish
+
+    async def scenario():
+        redis = Redis.from_url(redis_url)
+        reader = RelayReader(redis, "chaos-router", block_ms=100)
+        writer = OutputWriter(redis, pod_id="decode-a")
+        for rid in ("rs", "rs~m1"):
+            writer.route(rid, "chaos-router")
+        route = ChoiceRoute("rs", "pod-a", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0))
+
+        async def migrate(index, r, reason):
+            r.request_id, r.pod_id = "rs~m1", "pod-b"
+            assert r.token_ids == [10, 11]
+            await publish(writer, redis, [ev("rs", [12], 3), ev("rs~m1", [12], 3)])  # the old pod woke up
+            await publish(writer, redis, [ev("rs~m1", [13], 4)])
+            await publish(writer, redis, [ev("rs~m1", [13], 4)])  # a retried pipeline landed twice
+            await publish(writer, redis, [ev("rs~m1", [14], 5, "length")])
+            return True
+
+        for step in ([ev("rs", [10], 1)], [ev("rs", [10], 1)], [ev("rs", [11], 2)]):
+            await publish(writer, redis, step)
+        got = [e async for _, e in OutputRelay(redis, [route], 30, stall_s=0.3, migrate=migrate, block_ms=100,
+                                               reader=reader)]
+        await reader.aclose()
+        await redis.aclose()
+        return got
+
+    got = run(scenario())
+    assert [t for e in got for t in e.token_ids] == [10, 11, 12, 13, 14]
+    assert [e.completion_tokens for e in got] == [1, 2, 3, 4, 5] and got[-1].finish_reason == "length"

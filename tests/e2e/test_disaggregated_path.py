@@ -210,15 +210,18 @@ def test_a_queue_entry_delivered_twice_is_decoded_once(ensemble, offline, prompt
                 usage = data.get("usage") or usage
                 text += "".join(c.get("text") or "" for c in data.get("choices") or [])
                 if text and not redelivered:
-                    streams = [k.decode() for k in r.scan_iter(match=keys.output_stream("*"))]
-                    assert len(streams) == 1, streams
-                    rid = streams[0].removeprefix(keys.output_stream(""))
+                    rid = data["id"]  # n = 1 and no client id: the internal request id is the response's
+                    # the entry a reclaiming worker gets is the same one: it names the router relaying the output
+                    routers = [k.decode() for k in r.scan_iter(match=keys.relay_stream("*"))]
+                    assert len(routers) == 1, routers
+                    router_id = routers[0].removeprefix(keys.relay_stream("").removesuffix("}:relay"))
+                    router_id = router_id.removesuffix("}:relay")
                     # the first worker acknowledged its entry: it handed the request over
                     deadline = time.monotonic() + 30
                     while r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"] and time.monotonic() < deadline:
                         time.sleep(0.01)
                     again = PrefillRequest(rid, MODEL, prompt, params, decode["pod_id"], decode["host"],
-                                           int(decode["kv_port"]), time.time())
+                                           int(decode["kv_port"]), time.time(), router_id=router_id)
                     r.xadd(keys.PREFILL_STREAM, again.encode())
                     redelivered = True
     assert redelivered and not errors

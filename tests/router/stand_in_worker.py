@@ -143,7 +143,8 @@ class StandInWorker:
 
     def _serve(self, req: PrefillRequest) -> None:
         r = self._redis
-        writer = OutputWriter(r)
+        writer = OutputWriter(r, pod_id="stand-in")
+        writer.route(req.request_id, req.router_id)  # as a worker does when it takes a request: to its router
 
         def emit(event: OutputEvent) -> bool:
             return bool(writer.write(event))

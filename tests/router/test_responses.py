@@ -77,3 +77,23 @@ def test_streamed_completion_logprob_offsets_continue_across_chunks():
     assert chunk["choices"][0]["logprobs"] == {"tokens": ["lo", "!"], "token_logprobs": [-0.2, -0.3],
                                                "top_logprobs": [None, {"!": -0.3}], "text_offset": [3, 5]}
     assert completion_logprobs(TOKENS.__getitem__, [TokenLogprob(4, -1.0, [])], 10)["text_offset"] == [10]
+
+
+def test_stream_json_gives_the_chunks_stream_chunks_gives_through_the_text_template():
+    """The template fast path against the dict path as oracle: same chunks, same order, for chat and completions,
+    n = 2, usage, text with quotes, escapes and non-ASCII, a held-back (empty) delta, logprobs and the finish."""
+    import json
+
+    texts = ["Hel", 'say "hi"\n', "", "caf\u00e9 \u2603", "\\end"]
+    for kind in ("chat", "completion"):
+        for kw in ({}, {"include_usage": True}, {"want_logprobs": True}):
+            fast, slow = builder(kind, n=2, **kw), builder(kind, n=2, **kw)
+            got, want = [], []
+            for step, text in enumerate(texts):
+                for i in (0, 1):
+                    lps = [TokenLogprob(1, -0.5, [(1, -0.5)])] if kw.get("want_logprobs") and step == 1 else None
+                    done = "length" if step == len(texts) - 1 else None
+                    got += [json.loads(c) for c in fast.stream_json(i, ev(i, [1], text, done, step + 1, lps))]
+                    want += slow.stream_chunks(i, ev(i, [1], text, done, step + 1, lps))
+            assert got == want, (kind, kw)
+            assert fast.usage() == slow.usage()

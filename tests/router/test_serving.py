@@ -212,8 +212,9 @@ async def test_a_stream_ends_an_error_with_its_body_and_done(redis_url, redis_cl
           OutputEvent(rid, error={"code": 500, "message": "engine died", "type": "InternalServerError"}))
     lines = [line async for line in delivery.stream_chunks(service, job)]
     assert json.loads(lines[0])["choices"][0]["text"] == "Hi"
-    assert lines[-2:] == [json.dumps({"error": {"message": "engine died", "type": "InternalServerError",
-                                                "param": None, "code": 500}}), "[DONE]"]
+    assert json.loads(lines[-2]) == {"error": {"message": "engine died", "type": "InternalServerError",
+                                               "param": None, "code": 500}}
+    assert lines[-1] == "[DONE]"
     assert redis_client.exists(keys.aborted_key(rid))
     assert service.state.metrics.registry.get_sample_value(
         "pdserve:requests_aborted_total", {"model_name": "smollm2-135m-instruct", "reason": "InternalServerError"}) == 1

@@ -106,8 +106,8 @@ class DecodeReceiver:
             return CommitReply(ok=False, error="request was aborted")
         span = tracing.start("decode", msg.traceparent, {"pdserve.pod": w.settings.pod_id,
                                                          "pdserve.prefill": "remote"})
-        w.requests[msg.request_id] = Tracked(msg.arrival_time, params.logprobs, committed=time.time(),
-                                             router_id=msg.router_id, sent_first=True, span=span)
+        w.track(msg.request_id, Tracked(msg.arrival_time, params.logprobs, committed=time.time(),
+                                        router_id=msg.router_id, sent_first=True, span=span))
         try:
             await w.engine_thread.acall(w.engine.commit, msg.request_id, msg.first_token_id, params,
                                         arrival_time=msg.arrival_time, output_token_ids=msg.output_token_ids,
@@ -261,6 +261,7 @@ class DecodeWorker(Worker):
                 if enqueued is not None:
                     queued_at[reqs[-1].request_id] = enqueued[i]
             except BadSamplingParams as exc:
+                self.writer.route(exc.request_id, exc.router_id)
                 if not await self.is_aborted(exc.request_id):
                     await self._fail(exc.request_id, str(exc))
             except MessageError as exc:
@@ -281,8 +282,8 @@ class DecodeWorker(Worker):
             span = tracing.start("decode", req.traceparent, {"pdserve.pod": self.settings.pod_id,
                                                              "pdserve.prefill": "local",
                                                              "gen_ai.usage.input_tokens": req.prompt_tokens})
-            self.requests[req.request_id] = Tracked(req.arrival_time, req.sampling_params.logprobs,
-                                                    admitted=time.time(), router_id=req.router_id, span=span)
+            self.track(req.request_id, Tracked(req.arrival_time, req.sampling_params.logprobs,
+                                               admitted=time.time(), router_id=req.router_id, span=span))
         errors = await self.engine_thread.acall(self._add_requests, reqs)
         for req, exc in zip(reqs, errors):
             if exc is not None:

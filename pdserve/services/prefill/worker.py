@@ -244,6 +244,7 @@ class PrefillWorker(Worker):
         try:
             req = PrefillRequest.decode(fields)
         except BadSamplingParams as exc:
+            self.writer.route(exc.request_id, exc.router_id)
             await self._fail(msg_id, exc.request_id, str(exc), 400, "BadRequestError")
             return None
         except MessageError as exc:
@@ -279,8 +280,8 @@ class PrefillWorker(Worker):
             span = tracing.start("prefill", req.traceparent, {"gen_ai.request.model": req.model,
                                                               "gen_ai.usage.input_tokens": req.prompt_tokens,
                                                               "pdserve.pod": self.settings.pod_id})
-            self.requests[req.request_id] = Tracked(req.arrival_time, req.sampling_params.logprobs,
-                                                    admitted=time.time(), span=span)
+            self.track(req.request_id, Tracked(req.arrival_time, req.sampling_params.logprobs,
+                                               admitted=time.time(), router_id=req.router_id, span=span))
             admitted.append((msg_id, req))
         if not admitted:
             return

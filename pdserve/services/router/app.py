@@ -37,7 +37,7 @@ from .errors import OpenAIError
 from .metrics import RouterMetrics
 from .middleware import GuardMiddleware, StatusCounter
 from .models import ServedModel
-from .output_streams import OutputStreams
+from .relay_reader import RelayReader
 from .pod_probe import probe_client
 from .params import generation_defaults
 from .prompts import PromptProcessor, read_chat_template
@@ -85,7 +85,7 @@ def start_services(app: FastAPI, settings: RouterSettings, processor: PromptProc
                           settings.max_queued_prompt_tokens, settings.retry_after_s)
     state = RouterState(settings=settings, processor=processor, redis=redis, dispatcher=dispatcher, metrics=metrics,
                         defaults=generation_defaults(processor.model_dir), admission=admission, router_id=router_id,
-                        http=probe_client(), output_streams=OutputStreams(redis))
+                        http=probe_client(), output_streams=RelayReader(redis, router_id))
     model = ServedModel(settings.served_name, settings.model, processor.max_model_len, state.created)
     app.state.router, app.state.model = state, model
     app.state.service = CompletionService(state, model, app.state.drain)
@@ -134,7 +134,8 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         finally:
             alive.cancel()
             try:
-                await redis.delete(keys.router_key(state.router_id))  # what is left is orphaned now
+                # what is left is orphaned now; nobody reads this incarnation's relay stream any more
+                await redis.delete(keys.router_key(state.router_id), keys.relay_stream(state.router_id))
             except RedisError:
                 pass
             if owned is not None:

@@ -6,7 +6,6 @@ completed, aborted with the error's type, or aborted because the client went awa
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -15,6 +14,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from . import errors
 from .errors import OpenAIError
+from .responses import encode_json
 
 if TYPE_CHECKING:
     from .serving import CompletionService, Job
@@ -80,16 +80,16 @@ async def stream_chunks(service: CompletionService, job: Job) -> AsyncIterator[s
     try:
         try:
             async for index, event in service.events(job):
-                for chunk in job.builder.stream_chunks(index, event):
-                    yield json.dumps(chunk, ensure_ascii=False)
+                for text in job.builder.stream_json(index, event):
+                    yield text
         except OpenAIError as exc:
             await service.finish(job, aborted=True, reason=exc.type)
             complete = True
-            yield json.dumps(exc.body(), ensure_ascii=False)
+            yield encode_json(exc.body())
             yield "[DONE]"
             return
         if job.builder.include_usage:
-            yield json.dumps(job.builder.usage_chunk(), ensure_ascii=False)
+            yield encode_json(job.builder.usage_chunk())
         complete = True
         service.record_finish(job)
         await service.finish(job, aborted=False)

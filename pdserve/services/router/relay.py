@@ -126,8 +126,10 @@ class OutputRelay:
                  stop: tuple[asyncio.Event, Callable[[], Exception]] | None = None,
                  watch: Any = None, reader: Any = None) -> None:
         self.watch = watch  # a PrefillWatch, or None
-        # what XREADs the output streams: the router's shared OutputStreams (one XREAD for all relays), or Redis
+        # what XREADs the output streams: the router's RelayReader (one XREAD of its relay stream for all relays), or Redis
         self.reader = reader if reader is not None else redis
+        # a per-request stream is deleted once read; a relay stream (RelayReader) is trimmed by its reader instead
+        self._delete_streams = getattr(self.reader, "per_request_streams", True)
         self.redis_retry_s = redis_retry_s
         self.stop = stop  # (event, error): once the event is set, the next read raises the error (shutdown)
         self.redis = redis
@@ -201,14 +203,14 @@ class OutputRelay:
                 for entry_id, fields in entries:
                     last_ids[index] = (name, entry_id)
                     try:
-                        event = OutputEvent.decode(fields)
+                        event = fields if isinstance(fields, OutputEvent) else OutputEvent.decode(fields)
                     except MessageError as exc:
                         logger.error("bad output event on %s: %s", name, exc)
                         raise OpenAIError(500, "A worker sent an unreadable output event") from exc
                     if event.keepalive:  # the request waits for its hand-over: alive, nothing to send
                         continue
                     if event.error is not None and is_retryable(event.error):
-                        await self.redis.delete(name)
+                        await self._drop(name)
                         if await self._try_migrate(index, route, "worker error: " + str(event.error.get("message")),
                                                    last_ids):
                             break
@@ -219,7 +221,7 @@ class OutputRelay:
                     if accepted.finished:
                         route.done = True
                         del last_ids[index]
-                        await self.redis.delete(name)
+                        await self._drop(name)
                         break
             if self.stall_s and self.migrate is not None:
                 for index in list(last_ids):
@@ -232,6 +234,10 @@ class OutputRelay:
                             continue
                         await self._try_migrate(index, route, f"no output for {now - route.last_event:.1f} s",
                                                 last_ids)
+
+    async def _drop(self, name: str) -> None:
+        if self._delete_streams:
+            await self.redis.delete(name)
 
     async def _lost_reason(self, route: ChoiceRoute, now: float) -> str | None:
         """Why a silent choice is lost whatever its decode pod's health (``PrefillWatch``: its queue entry, or the

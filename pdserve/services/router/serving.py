@@ -32,7 +32,7 @@ from .errors import OpenAIError
 from .inflight import JobTable
 from .metrics import ChoiceTiming, RouterMetrics
 from .migration import Migrator, health_url
-from .output_streams import OutputStreams
+from .relay_reader import RelayReader
 from .models import ServedModel
 from .params import (RequestPlan, build_sampling_params, check_context, check_cross_field, echo_only, echo_prefixes,
                      requested_max_tokens)
@@ -67,8 +67,9 @@ class RouterState:
     router_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # one client for the pods' own HTTP ports (pod_probe.py); None: each probe makes its own (tests)
     http: httpx.AsyncClient | None = None
-    # one XREAD for every relay's output streams (output_streams.py); None: each relay reads Redis itself
-    output_streams: OutputStreams | None = None
+    # one XREAD of this router's relay stream for every relay (relay_reader.py); None: each relay reads the
+    # per-request output streams itself (requests that name no router)
+    output_streams: RelayReader | None = None
     jobs: JobTable = field(default_factory=JobTable)  # the jobs being served (GET /v1/pdserve/requests)
 
     @property

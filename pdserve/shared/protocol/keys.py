@@ -7,7 +7,13 @@ Streams:
   ``pdserve:out:{request_id}``   one request's output; entries are ``OutputEvent``, written with
                                  ``OutputWriter`` of pdserve/shared/worker/output_writer.py (skips aborted requests, refreshes the TTL
                                  ``OUTPUT_TTL_S`` on every event); the router deletes it once it has read the
-                                 final event.
+                                 final event. Only requests that name no router (``PrefillRequest.router_id``)
+                                 use it: a router's own requests come back on its relay stream.
+  ``pdserve:{r-<router_id>}:relay``  a router incarnation's relay stream (``relay_stream``): each entry is one
+                                 ``OutputBatch`` -- one decode (or prefill) step's events for every request of
+                                 that router on that pod -- written with one pipelined XADD per step per router
+                                 (``RelayPublisher``); the router reads it with one XREAD and trims what it read.
+                                 Hash-tagged by router, so a Redis Cluster keeps each router's stream in one slot.
 Keys:
   ``pdserve:router:{router_id}`` a live router incarnation (TTL ``ROUTER_TTL_S``); requests name it as their owner.
   ``pdserve:response:{id}``      a stored ``/v1/responses`` response and its conversation (JSON; TTL the router's
@@ -35,6 +41,11 @@ ORPHAN_AFTER_S = 4.0
 # The router deletes an output stream when it has read the final event; the TTL bounds memory when no one does
 # (router gone, client gone before the worker finished).
 OUTPUT_TTL_S = 60
+# A relay stream nobody reads (its router gone) expires after RELAY_TTL_S; a writer refreshes the TTL once per
+# RELAY_TTL_S / 3 per stream (not per entry), and caps it at about RELAY_MAXLEN entries (XADD MAXLEN ~) so a
+# router that stopped reading cannot grow it without bound in the meantime.
+RELAY_TTL_S = 60
+RELAY_MAXLEN = 20000
 ABORTED_TTL_S = 300
 
 # Hash: decode pod id -> unix time until which routers avoid it, set by a prefill pod whose KV transfer to it
@@ -50,6 +61,11 @@ def decode_stream(pod_id: str) -> str:
 def output_stream(request_id: str) -> str:
     """The per-request output stream the workers write ``OutputEvent``s to."""
     return f"pdserve:out:{request_id}"
+
+
+def relay_stream(router_id: str) -> str:
+    """The relay stream of router incarnation ``router_id``: ``OutputBatch`` entries for all its requests."""
+    return f"pdserve:{{r-{router_id}}}:relay"
 
 
 def router_key(router_id: str) -> str:

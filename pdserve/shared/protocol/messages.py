@@ -28,9 +28,10 @@ class BadSamplingParams(MessageError):
     """A ``PrefillRequest`` whose ``sampling_params`` do not validate: the request (``request_id``) fails with a
     400 rather than being dropped like an unreadable entry."""
 
-    def __init__(self, request_id: str, error: SamplingParamsError | TypeError) -> None:
+    def __init__(self, request_id: str, error: SamplingParamsError | TypeError, router_id: str | None = None) -> None:
         super().__init__(f"bad sampling_params: {error}")
         self.request_id = request_id
+        self.router_id = router_id  # where its error goes (PrefillRequest.router_id)
 
 
 def _get(fields: Mapping[Any, Any], name: str) -> bytes | None:
@@ -120,7 +121,9 @@ class PrefillRequest:
         try:
             kwargs["sampling_params"] = SamplingParams.from_dict(params)
         except (SamplingParamsError, TypeError) as exc:
-            raise BadSamplingParams(str(kwargs["request_id"]), exc) from exc
+            router_id = kwargs.get("router_id")
+            raise BadSamplingParams(str(kwargs["request_id"]), exc,
+                                    router_id if isinstance(router_id, str) else None) from exc
         return cls(**kwargs)
 
 
@@ -193,9 +196,83 @@ class OutputEvent:
             out["final"] = b"1"
         return out
 
+    def to_payload(self) -> dict[str, Any]:
+        """The event as an ``OutputBatch`` item: a msgpack-ready map without the fields at their defaults (a token
+        delta is a few bytes, not fourteen keys)."""
+        payload: dict[str, Any] = {"request_id": self.request_id}
+        for name, default in _EVENT_DEFAULTS.items():
+            value = getattr(self, name)
+            if value != default:
+                payload[name] = [lp.to_wire() for lp in value] if name == "logprobs" else value
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> OutputEvent:
+        """The inverse of ``to_payload``; unknown keys are ignored. Raises ``MessageError``."""
+        if not isinstance(payload, dict) or not isinstance(payload.get("request_id"), str):
+            raise MessageError("OutputBatch: an event is not a map with a request_id")
+        kwargs = {k: v for k, v in payload.items() if k in _EVENT_DEFAULTS or k == "request_id"}
+        try:
+            if kwargs.get("logprobs") is not None:
+                kwargs["logprobs"] = [TokenLogprob.from_wire(item) for item in kwargs["logprobs"]]
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise MessageError(f"OutputBatch: bad event: {exc}") from exc
+
     @classmethod
     def decode(cls, fields: Mapping[Any, Any]) -> OutputEvent:
         kwargs = _unpack(cls, fields)
         if kwargs.get("logprobs") is not None:
             kwargs["logprobs"] = [TokenLogprob.from_wire(item) for item in kwargs["logprobs"]]
         return cls(**kwargs)
+
+
+@dataclass(slots=True)
+class OutputBatch:
+    """One step's ``OutputEvent``s for the requests of one router, XADDed by a worker to
+    ``keys.relay_stream(router_id)`` as ONE stream entry (instead of one entry per request per step).
+
+    ``events`` are the per-request deltas of that step, each the ``OutputEvent`` a per-request stream would carry:
+    request id, new tokens and text, logprobs, finish reason or error. ``completion_tokens`` (cumulative) is each
+    request's sequence number: the router drops a delta it already relayed and fails a request whose next delta
+    skips tokens, so a batch written twice (a retried pipeline) or a request replayed after a migration is relayed
+    exactly once. ``pod_id`` names the writer (logs). Wire: one msgpack field ``data`` holding
+    ``{"pod_id": str, "events": [OutputEvent payload map, ...]}``.
+    """
+
+    events: list[OutputEvent] = field(default_factory=list)
+    pod_id: str = ""
+
+    def encode(self) -> dict[str, bytes]:
+        return {DATA_FIELD: self.pack()}
+
+    def pack(self) -> bytes:
+        return msgpack.packb({"pod_id": self.pod_id, "events": [e.to_payload() for e in self.events]},
+                             use_bin_type=True)
+
+    @classmethod
+    def decode(cls, fields: Mapping[Any, Any]) -> OutputBatch:
+        raw = _get(fields, DATA_FIELD)
+        if raw is None:
+            raise MessageError(f"OutputBatch: stream entry has no {DATA_FIELD!r} field")
+        return cls.unpack(raw)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> OutputBatch:
+        try:
+            payload = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise MessageError(f"OutputBatch: undecodable payload: {exc}") from exc
+        if not isinstance(payload, dict) or not isinstance(payload.get("events"), list):
+            raise MessageError("OutputBatch: payload is not a map with an 'events' list")
+        return cls([OutputEvent.from_payload(p) for p in payload["events"]], str(payload.get("pod_id", "")))
+
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
+_EVENT_DEFAULTS = _defaults(OutputEvent)

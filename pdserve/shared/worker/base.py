@@ -83,7 +83,7 @@ class Worker:
         # not a failed request; longer outages surface as errors the loops below retry on their own.
         self.redis = aioredis.from_url(settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 6),
                                        retry_on_error=[RedisConnectionError, RedisTimeoutError])
-        self.writer = OutputWriter(self.redis)
+        self.writer = OutputWriter(self.redis, pod_id=settings.pod_id)
         self.registry = RegistryClient(settings.registry_url, token=settings.registry_token)
         self.heartbeater: Heartbeater | None = None
         self.kv_events: KVEventPublisher | None = None
@@ -329,6 +329,12 @@ class Worker:
             found = await self.engine_thread.acall(self.engine.abort_request, request_id)
             if found:
                 logger.info("request %s aborted", request_id)
+
+    def track(self, request_id: str, tracked: Tracked) -> None:
+        """Publish ``request_id``'s output from now on: its events go to the relay stream of its router
+        (``tracked.router_id``; none: to its own output stream)."""
+        self.requests[request_id] = tracked
+        self.writer.route(request_id, tracked.router_id)
 
     async def is_aborted(self, request_id: str) -> bool:
         return bool(await self.redis.exists(keys.aborted_key(request_id)))

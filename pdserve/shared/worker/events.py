@@ -71,19 +71,20 @@ def error_event(request_id: str, message: str, code: int, type_: str = "ServiceU
 
 
 async def publish(writer: OutputWriter, redis, events: list[OutputEvent], retry_s: float = 60.0) -> None:
-    """Write every event to its request's stream in one round trip (``OutputWriter``: skips requests
-    that were aborted meanwhile, so an aborted stream is never recreated, and refreshes the TTL).
+    """Write a step's events in one round trip: one ``OutputBatch`` XADD per router for the requests a router relays
+    (``OutputWriter.route``), one script call per event for the others (which skips requests aborted meanwhile, so
+    an aborted stream is never recreated, and refreshes the TTL).
 
-    While Redis is unreachable (a restart) the write is retried with exponential backoff (0.1 s .. 2 s) for up
-    to ``retry_s``; a retried batch may land twice, which the router drops by ``completion_tokens``. Raises the
-    last Redis error after that.
+    While Redis is unreachable (a restart) the write is retried with exponential backoff (0.1 s .. 2 s) for up to
+    ``retry_s``; a retried batch may land twice, which the router drops by ``completion_tokens``. Raises the last
+    Redis error after that.
     """
     if not events:
         return
 
     async def write() -> None:
         pipe = redis.pipeline(transaction=False)
-        for event in events:
+        for event in writer.queue_batches(pipe, events):
             await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
         await pipe.execute()
 
