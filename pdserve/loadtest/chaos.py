@@ -37,6 +37,7 @@ import redis as redis_sync
 
 from pdserve.loadtest.sse import StrictSSE
 from pdserve.services import up
+from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 
 MODEL = "smollm2-135m-instruct"
@@ -136,14 +137,14 @@ class Cluster:
         return child
 
     def redis(self) -> redis_sync.Redis:
-        return redis_sync.Redis.from_url(self.redis_url, socket_timeout=5)
+        return redis_client.connect(self.redis_url, sync=True, socket_timeout=5)
 
 
 def leftovers(cluster: Cluster) -> dict[str, Any]:
     """What finished requests may not leave behind: blocks, leases, pending queue entries, output streams."""
     r = cluster.redis()
     try:
-        out_streams = [k.decode() for k in r.scan_iter(match="pdserve:out:*", count=1000)]
+        out_streams = [k.decode() for k in r.scan_iter(match=keys.OUTPUT_STREAMS_MATCH, count=1000)]
         try:
             pending = r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"]
         except redis_sync.ResponseError:
@@ -335,7 +336,7 @@ def check(outcomes: list[Outcome], expected: list[Outcome]) -> None:
 
 
 def _out_streams_with_events(r: redis_sync.Redis) -> int:
-    return sum(1 for k in r.scan_iter(match="pdserve:out:*", count=1000) if r.xlen(k) > 0)
+    return sum(1 for k in r.scan_iter(match=keys.OUTPUT_STREAMS_MATCH, count=1000) if r.xlen(k) > 0)
 
 
 async def prefill_kill(cluster: Cluster, n: int, max_tokens: int, wait_s: float = 6.0) -> Tally:

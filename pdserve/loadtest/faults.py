@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.loadtest import chaos
 from pdserve.loadtest.chaos import Cluster, Outcome, Tally, completion, prompts, wait_for
+from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 
 POD_COUNTERS = ("kv_blocks_used", "kv_active_leases", "num_running", "num_waiting", "requests_tracked")
@@ -80,12 +81,12 @@ def snapshot(probe: Probe) -> dict[str, int]:
             out[f"router {url} running"] = int(sum(
                 s.value for f in text_string_to_metric_families(text) if f.name == "pdserve:num_requests_running"
                 for s in f.samples))
-    r = redis_sync.Redis.from_url(probe.redis_url, socket_timeout=5)
+    r = redis_client.connect(probe.redis_url, sync=True, socket_timeout=5)
     try:
         out["prefill queue pending"] = _pending(r, keys.PREFILL_STREAM, keys.PREFILL_GROUP)
-        for key in r.scan_iter(match=keys.decode_stream("*"), count=1000):
+        for key in r.scan_iter(match=keys.DECODE_STREAMS_MATCH, count=1000):
             out[f"{key.decode()} pending"] = _pending(r, key, keys.DECODE_GROUP)
-        out["output streams"] = sum(1 for k in r.scan_iter(match=keys.output_stream("*"), count=1000)
+        out["output streams"] = sum(1 for k in r.scan_iter(match=keys.OUTPUT_STREAMS_MATCH, count=1000)
                                     if r.xlen(k) > 0)
     except redis_sync.RedisError:
         out["redis unreachable"] = 1

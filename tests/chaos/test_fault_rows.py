@@ -85,7 +85,7 @@ def test_request_a_live_decode_pod_stops_holding_moves_instead_of_hanging(cluste
     tokens = 256  # the engine keeps going during the pause: enough left to drop afterwards
     want = asyncio.run(chaos.reference(url, [text], tokens, ignore_eos=True))[0]
     r = cluster.redis()
-    before = set(r.scan_iter(match="pdserve:out:*"))
+    before = set(r.scan_iter(match=keys.OUTPUT_STREAMS_MATCH))
     progress = [0]
 
     async def run() -> chaos.Outcome:
@@ -94,13 +94,13 @@ def test_request_a_live_decode_pod_stops_holding_moves_instead_of_hanging(cluste
                                                         on_token=lambda n: progress.__setitem__(0, n)))
             while progress[0] < 2 and not task.done():
                 await asyncio.sleep(0.01)
-            (stream,) = set(r.scan_iter(match="pdserve:out:*")) - before
+            (stream,) = set(r.scan_iter(match=keys.OUTPUT_STREAMS_MATCH)) - before
             r.execute_command("CLIENT", "PAUSE", "3500", "WRITE")
             await asyncio.sleep(3.6)
             seen = progress[0]
             while progress[0] == seen and not task.done():
                 await asyncio.sleep(0.01)
-            r.publish(keys.ABORT_CHANNEL, stream.decode().removeprefix("pdserve:out:"))
+            r.publish(keys.ABORT_CHANNEL, keys.output_stream_request(stream))
             return await asyncio.wait_for(task, 120)
 
     got = asyncio.run(run())

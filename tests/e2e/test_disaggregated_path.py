@@ -211,9 +211,9 @@ def test_a_queue_entry_delivered_twice_is_decoded_once(ensemble, offline, prompt
                 usage = data.get("usage") or usage
                 text += "".join(c.get("text") or "" for c in data.get("choices") or [])
                 if text and not redelivered:
-                    streams = [k.decode() for k in r.scan_iter(match=keys.output_stream("*"))]
+                    streams = [k.decode() for k in r.scan_iter(match=keys.OUTPUT_STREAMS_MATCH)]
                     assert len(streams) == 1, streams
-                    rid = streams[0].removeprefix(keys.output_stream(""))
+                    rid = keys.output_stream_request(streams[0])
                     # the first worker acknowledged its entry: it handed the request over
                     deadline = time.monotonic() + 30
                     while r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"] and time.monotonic() < deadline:

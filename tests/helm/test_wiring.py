@@ -254,7 +254,7 @@ def test_keda_scales_prefill_on_stream_lag_and_decode_on_prometheus(chart):
     sos = by_kind(docs, "ScaledObject")
     (trig,) = sos[f"{FULL}-prefill"]["spec"]["triggers"]
     assert trig["type"] == "redis-streams"
-    assert trig["metadata"] == {"address": f"{FULL}-redis.llm.svc:6379", "stream": "pdserve:prefill",
+    assert trig["metadata"] == {"address": f"{FULL}-redis.llm.svc:6379", "stream": "pdserve:{q-prefill}:queue",
                                 "consumerGroup": "prefill", "lagCount": "8", "activationLagCount": "0"}
     auth = by_kind(docs, "TriggerAuthentication")[trig["authenticationRef"]["name"]]
     assert auth["spec"]["secretTargetRef"] == [{"parameter": "password", "name": f"{FULL}-redis", "key": "redis-password"}]
