@@ -30,6 +30,11 @@ class OutputWriter:
         self._ttl_s = keys.OUTPUT_TTL_S if ttl_s is None else ttl_s
         self._script = redis.register_script(_WRITE_OUTPUT_LUA)
 
+    def load(self, redis: Any) -> Any:
+        """Loads the script into Redis's script cache (a cluster client loads it on every primary): a Redis Cluster
+        pipeline sends EVALSHA without loading the script first, as a single-server pipeline does."""
+        return redis.script_load(_WRITE_OUTPUT_LUA)
+
     def write(self, event: OutputEvent, client: Any = None) -> Any:
         flat = [x for item in event.encode().items() for x in item]
         return self._script(keys=[keys.output_stream(event.request_id),
