@@ -179,7 +179,7 @@ schema = {
                                 "accessModes": {"type": "array", "items": {"enum": ["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]}}}),
             "resources": {"$ref": "#/$defs/resources"},
             "nodeSelector": STRMAP, "tolerations": LIST, "affinity": MAP, "podAnnotations": STRMAP,
-            "external": obj({"url": {"type": "string", "pattern": "^(|rediss?://.+)$"}, "existingSecret": S, "existingSecretKey": S}),
+            "external": obj({"url": {"type": "string", "pattern": r"^(|(rediss?|unix|rediss?\+cluster|rediss?\+sentinel)://.+)$"}, "existingSecret": S, "existingSecretKey": S}),
         }, required=["enabled"]),
         "podSecurityContext": MAP,
         "securityContext": MAP,

@@ -56,8 +56,7 @@ def relayed_request_ids(r: redis_sync.Redis) -> set[str]:
     their own (``keys.output_stream``: requests that name no router)."""
     from pdserve.shared.protocol.messages import OutputBatch
 
-    ids = {k.decode().removeprefix(keys.output_stream("")) for k in r.scan_iter(match=keys.output_stream("*"),
-                                                                                  count=1000)}
+    ids = {keys.output_stream_request(k) for k in r.scan_iter(match=keys.OUTPUT_STREAMS_MATCH, count=1000)}
     for stream in r.scan_iter(match=keys.relay_stream("*"), count=1000):
         for _, fields in r.xrange(stream):
             ids.update(e.request_id for e in OutputBatch.decode(fields).events)

@@ -20,6 +20,7 @@ import redis as redis_sync
 
 from pdserve.loadtest.sse import StrictSSE
 from pdserve.services import up
+from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 
 MODEL = "smollm2-135m-instruct"
@@ -119,14 +120,14 @@ class Cluster:
         return child
 
     def redis(self) -> redis_sync.Redis:
-        return redis_sync.Redis.from_url(self.redis_url, socket_timeout=5)
+        return redis_client.connect(self.redis_url, sync=True, socket_timeout=5)
 
 
 def leftovers(cluster: Cluster) -> dict[str, Any]:
     """What finished requests may not leave behind: blocks, leases, pending queue entries, output streams."""
     r = cluster.redis()
     try:
-        out_streams = [k.decode() for k in r.scan_iter(match="pdserve:out:*", count=1000)]
+        out_streams = [k.decode() for k in r.scan_iter(match=keys.OUTPUT_STREAMS_MATCH, count=1000)]
         try:
             pending = r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"]
         except redis_sync.ResponseError:

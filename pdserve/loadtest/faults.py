@@ -9,7 +9,7 @@ hold with what they held before the fault (``leaked`` column):
   free, so this returns to its baseline), ``kv_active_leases``, ``num_running``, ``num_waiting``,
   ``requests_tracked``; a pod that does not answer counts as ``unreachable``;
 - Redis: pending entries (XPENDING) of the prefill queue and of every decode pod's own request stream, and
-  output streams (``pdserve:out:*``) still holding events;
+  output streams (``keys.OUTPUT_STREAMS_MATCH``) still holding events;
 - every router (``/metrics``): ``pdserve:num_requests_running``.
 
     python -m pdserve.loadtest.chaos --only 1,6,7,8,9,10,11
@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.loadtest import faultkit
 from pdserve.loadtest.faultkit import Cluster, Outcome, Tally, completion, prompts, wait_for
 from pdserve.services import up
+from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 
 POD_COUNTERS = ("kv_blocks_used", "kv_active_leases", "num_running", "num_waiting", "requests_tracked")
@@ -81,12 +82,12 @@ def snapshot(probe: Probe) -> dict[str, int]:
             out[f"router {url} running"] = int(sum(
                 s.value for f in text_string_to_metric_families(text) if f.name == "pdserve:num_requests_running"
                 for s in f.samples))
-    r = redis_sync.Redis.from_url(probe.redis_url, socket_timeout=5)
+    r = redis_client.connect(probe.redis_url, sync=True, socket_timeout=5)
     try:
         out["prefill queue pending"] = _pending(r, keys.PREFILL_STREAM, keys.PREFILL_GROUP)
-        for key in r.scan_iter(match=keys.decode_stream("*"), count=1000):
+        for key in r.scan_iter(match=keys.DECODE_STREAMS_MATCH, count=1000):
             out[f"{key.decode()} pending"] = _pending(r, key, keys.DECODE_GROUP)
-        out["output streams"] = sum(1 for k in r.scan_iter(match=keys.output_stream("*"), count=1000)
+        out["output streams"] = sum(1 for k in r.scan_iter(match=keys.OUTPUT_STREAMS_MATCH, count=1000)
                                     if r.xlen(k) > 0)
     except redis_sync.RedisError:
         out["redis unreachable"] = 1

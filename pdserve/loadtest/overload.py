@@ -48,6 +48,7 @@ import redis as redis_sync
 
 from pdserve.loadtest import faultkit
 from pdserve.loadtest.arrivals import arrival_times
+from pdserve.shared import redis_client
 
 MIB = 1024 * 1024
 # The processes whose memory is watched, in table order (the names ``Cluster`` gives them).
@@ -202,7 +203,7 @@ class MemorySampler(threading.Thread):
         # (monotonic time, {"decode-0 running": n, ...}): the workers' queues, once a second
         self.loads: list[tuple[float, dict[str, int]]] = []
         self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
-        self.redis = redis_sync.Redis.from_url(redis_url, socket_timeout=2)
+        self.redis = redis_client.connect(redis_url, sync=True, socket_timeout=2)
         self.interval_s = interval_s
         self.samples: list[tuple[float, dict[str, int]]] = []
         self._halt = threading.Event()
@@ -259,7 +260,7 @@ class MemorySampler(threading.Thread):
 
 
 def redis_pid(redis_url: str) -> int:
-    r = redis_sync.Redis.from_url(redis_url, socket_timeout=5)
+    r = redis_client.connect(redis_url, sync=True, socket_timeout=5)
     try:
         return int(r.info("server")["process_id"])
     finally:

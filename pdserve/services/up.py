@@ -125,8 +125,8 @@ class Child:
     def ready(self) -> bool:
         try:
             if self.redis_url is not None:
-                import redis
-                client = redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+                from pdserve.shared import redis_client
+                client = redis_client.connect(self.redis_url, sync=True, socket_timeout=1, socket_connect_timeout=1)
                 try:
                     return bool(client.ping())
                 finally:
@@ -524,9 +524,11 @@ def run(opts: UpOptions) -> int:
     external = external_redis_url(opts)
     if external is not None:
         import redis
+
+        from pdserve.shared import redis_client
         try:
-            redis.Redis.from_url(external, socket_timeout=2, socket_connect_timeout=2).ping()
-        except redis.RedisError as e:
+            redis_client.connect(external, sync=True, socket_timeout=2, socket_connect_timeout=2).ping()
+        except (redis.RedisError, ValueError) as e:
             raise click.ClickException(f"cannot reach Redis at {external}: {e}") from None
     router_grace_s = 0.0
     if opts.router:  # the router's settings from the environment (its silence bound against the keep-alives), now

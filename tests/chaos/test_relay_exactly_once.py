@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from pdserve.services.router.errors import OpenAIError
 from pdserve.services.router.relay import ChoiceRoute, OutputRelay, accept
+from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import OutputEvent
 from pdserve.shared.protocol.sampling_params import SamplingParams
 from pdserve.shared.worker.output_writer import OutputWriter
@@ -75,7 +76,7 @@ def test_relay_replay_then_migration_gives_each_token_once(redis_url):
         assert [e.completion_tokens for e in got] == [1, 2, 3, 4, 5]
         assert got[-1].finish_reason == "length"
         assert len(migrations) == 1 and migrations[0].startswith("no output")
-        assert not await redis.exists("pdserve:out:req~m1")  # deleted once read
+        assert not await redis.exists(keys.output_stream("req~m1"))  # deleted once read
         await redis.aclose()
 
     run(scenario())

@@ -21,6 +21,7 @@ from support.redis_server import free_port
 import click
 
 from pdserve.services.up import Child, Ensemble, UpOptions, _Stop, parse_cpus, plan
+from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.registry import PodInfo
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -125,7 +126,7 @@ def test_up_starts_redis_and_registry_and_sigterm_leaves_no_process(tmp_path):
         assert httpx.post(f"{registry}/v1/pods", json=info.model_dump(mode="json"),
                           headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
         r = redis.Redis.from_url(redis_url)
-        assert r.exists("pdserve:registry:pod:decode-0") == 1  # the registry really uses that Redis
+        assert r.exists(keys.pod_key("decode-0")) == 1  # the registry really uses that Redis
         r.close()
         assert (tmp_path / "logs" / "registry.log").exists()
         registry_log = (tmp_path / "logs" / "registry.log").read_text()
@@ -257,7 +258,7 @@ def test_up_uses_the_redis_it_is_given(tmp_path, redis_server):
         httpx.post(f"{registry}/v1/pods", json=info.model_dump(mode="json"),
                    headers={"Authorization": f"Bearer {token}"}).raise_for_status()
         r = redis.Redis.from_url(redis_server.url)
-        assert r.exists("pdserve:registry:pod:p0") == 1
+        assert r.exists(keys.pod_key("p0")) == 1
         r.close()
         up.proc.send_signal(signal.SIGINT)
         out = up.finish()

@@ -22,6 +22,8 @@ import time
 import httpx
 import pytest
 
+from pdserve.shared.protocol import keys
+
 from support.ensemble import Ensemble
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -183,7 +185,7 @@ def test_a_decode_pod_whose_kv_port_never_answers_is_avoided_and_requests_move(e
         assert "accepted the connection but did not answer the KV-transfer handshake within 3 s" in log, log[-3000:]
         import redis
 
-        marks = redis.Redis.from_url(ensemble.redis_url).hgetall("pdserve:kv_unreachable")
+        marks = redis.Redis.from_url(ensemble.redis_url).hgetall(keys.KV_UNREACHABLE)
         assert b"decode-silent" in marks, marks
         # marked: the router no longer sends it anything
         tried = len(silent.accepted)

@@ -25,6 +25,7 @@ def test_shipped_values_files_pass_the_schema(chart, case):
         ({"model": {"dtype": "fp8"}}, "/model/dtype"),
         ({"router": {"port": 70000}}, "/router/port"),
         ({"redis": {"external": {"url": "http://redis:6379"}}}, "/redis/external/url"),
+        ({"redis": {"external": {"url": "redis+swarm://redis:6379"}}}, "/redis/external/url"),
         ({"routing": {"localPrefillTreshold": 3}}, "/routing"),
         ({"secrets": {"apiKeys": ["a,b"]}}, "/secrets/apiKeys/0"),
     ],

@@ -254,7 +254,7 @@ def test_keda_scales_prefill_on_stream_lag_and_decode_on_prometheus(chart):
     sos = by_kind(docs, "ScaledObject")
     (trig,) = sos[f"{FULL}-prefill"]["spec"]["triggers"]
     assert trig["type"] == "redis-streams"
-    assert trig["metadata"] == {"address": f"{FULL}-redis.llm.svc:6379", "stream": "pdserve:prefill",
+    assert trig["metadata"] == {"address": f"{FULL}-redis.llm.svc:6379", "stream": "pdserve:{q-prefill}:queue",
                                 "consumerGroup": "prefill", "lagCount": "8", "activationLagCount": "0"}
     auth = by_kind(docs, "TriggerAuthentication")[trig["authenticationRef"]["name"]]
     assert auth["spec"]["secretTargetRef"] == [{"parameter": "password", "name": f"{FULL}-redis", "key": "redis-password"}]
@@ -269,6 +269,26 @@ def test_keda_scales_prefill_on_stream_lag_and_decode_on_prometheus(chart):
 def test_keda_with_external_redis_needs_an_address(chart):
     with pytest.raises(Exception, match="redisAddress"):
         render_docs(chart, {"redis": {"enabled": False, "external": {"url": "redis://r:6379"}}, "autoscaling": {"mode": "keda"}})
+
+
+@pytest.mark.parametrize("url, kind, extra", [
+    ("redis+cluster://:pw@r0.data:6379,r1.data:6379", "redis-cluster-streams", {}),
+    ("redis+sentinel://s0.data:26379,s1.data:26379/mymaster", "redis-sentinel-streams", {"sentinelMaster": "mymaster"}),
+])
+def test_an_external_cluster_or_sentinel_url_reaches_every_tier_and_picks_kedas_matching_scaler(chart, url, kind, extra):
+    import base64
+
+    addresses = "r0.data:6379,r1.data:6379" if "cluster" in url else "s0.data:26379,s1.data:26379"
+    docs = render_docs(chart, {"redis": {"enabled": False, "external": {"url": url}},
+                               "autoscaling": {"mode": "keda", "keda": {"redisAddress": addresses}}})
+    assert base64.b64decode(by_kind(docs, "Secret")[f"{FULL}-redis-url"]["data"]["redis-url"]).decode() == url
+    for tier in TIERS:
+        env = env_of(containers(docs, f"{FULL}-{tier}")[0])
+        assert env["PDSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULL}-redis-url"
+    (trig,) = by_kind(docs, "ScaledObject")[f"{FULL}-prefill"]["spec"]["triggers"]
+    assert trig["type"] == kind
+    assert trig["metadata"] == {"addresses": addresses, **extra, "stream": "pdserve:{q-prefill}:queue",
+                                "consumerGroup": "prefill", "lagCount": "16", "activationLagCount": "0"}
 
 
 def test_planner_gets_exactly_the_rbac_it_needs(chart):

@@ -13,6 +13,7 @@ from pdserve.services.registry.app import create_app
 from pdserve.services.registry.settings import RegistrySettings
 from pdserve.shared.protocol.registry import PodInfo
 from pdserve.shared.registry_client import RegistryClient, RegistryError
+from pdserve.shared.protocol import keys
 from pdserve.shared.worker.heartbeat import Heartbeater
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -87,7 +88,7 @@ async def test_a_silent_pod_drops_out_after_its_ttl(redis_url, redis_server):
         await until(gone)
         assert await r.client.get_pod("decode-0") is None
         sync = redis.Redis.from_url(redis_url)
-        await until(lambda: asyncio.sleep(0, not sync.exists("pdserve:registry:pod:decode-0")))
+        await until(lambda: asyncio.sleep(0, not sync.exists(keys.pod_key("decode-0"))))
         sync.close()
     finally:
         await r.close()

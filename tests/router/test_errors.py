@@ -335,12 +335,12 @@ def test_redis_down_gets_503_and_unhealthy(registry_url, processor, pods, monkey
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
     from router_harness import free_port, start_router
-    from pdserve.services.router import app as router_app
     from pdserve.services.router.settings import RouterSettings
+    from pdserve.shared import redis_client
 
     # Redis stays down whatever the retry policy: without the router's backoff (~7 s per command, to ride out a
     # restart) the 503 comes in a moment instead of after ~20 s of pauses (the fast tier's budget).
-    monkeypatch.setattr(router_app, "Retry", lambda backoff, retries: Retry(NoBackoff(), 1))
+    monkeypatch.setattr(redis_client, "_retry_kwargs", lambda *a: {"retry": Retry(NoBackoff(), 1)})
     down = start_router(RouterSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0", registry_url=registry_url),
                         processor, pods)
     try:

@@ -127,7 +127,7 @@ def test_raw_sse_stream_format(router, worker):
 
 def test_output_streams_are_removed_after_the_response(client, redis_client):
     client.chat.completions.create(model="smollm2-135m-instruct", messages=FRANCE)
-    assert list(redis_client.scan_iter(match="pdserve:out:*")) == []
+    assert list(redis_client.scan_iter(match=keys.OUTPUT_STREAMS_MATCH)) == []
 
 
 def test_worker_error_reaches_the_client_and_the_next_request_works(client):

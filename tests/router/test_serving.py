@@ -83,13 +83,14 @@ async def test_submit_enqueues_one_prefill_request_per_choice(redis_url, redis_c
                             request_id="abc", priority=2, cache_salt="s1")
     job = await service.submit(req, "completion")
     assert job.response_id == "cmpl-abc"
-    stem = job.request_ids[0][:-2]
+    owner = f"@{service.state.router_id}"  # each id names its router: its keys share the router's slot
+    stem = job.request_ids[0].removesuffix(owner)[:-2]
     assert stem.startswith("cmpl-abc-") and len(stem) == len("cmpl-abc-") + 8
-    assert job.request_ids == [f"{stem}-{i}" for i in range(4)]
+    assert job.request_ids == [f"{stem}-{i}{owner}" for i in range(4)]
     got = queued(redis_client)
     assert [(q.request_id, q.choice_index, q.prompt_token_ids, q.sampling_params.seed) for q in got] == [
-        (f"{stem}-0", 0, [1, 2, 3], 7), (f"{stem}-1", 1, [1, 2, 3], 8),
-        (f"{stem}-2", 2, [4, 5], 7), (f"{stem}-3", 3, [4, 5], 8)]
+        (f"{stem}-0{owner}", 0, [1, 2, 3], 7), (f"{stem}-1{owner}", 1, [1, 2, 3], 8),
+        (f"{stem}-2{owner}", 2, [4, 5], 7), (f"{stem}-3{owner}", 3, [4, 5], 8)]
     for q in got:
         assert (q.model, q.decode_pod_id, q.decode_host, q.decode_kv_port, q.router_id) == \
             ("smollm2-135m-instruct", "decode-0", "10.0.0.5", 9100, ROUTER_ID)

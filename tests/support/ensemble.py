@@ -52,7 +52,8 @@ class Ensemble:
             if "Press Ctrl-C to stop." in text:
                 self.router_url = f"http://127.0.0.1:{self.port}"
                 self.registry_url = re.search(r"registry\s+(http://\S+)", text).group(1)
-                self.redis_url = re.search(r"redis\s+(redis://\S+)", text).group(1).replace(
+                external = self.env.get("PDSERVE_REDIS_URL")  # a cluster or sentinel URL the test started
+                self.redis_url = external or re.search(r"redis\s+(redis://\S+)", text).group(1).replace(
                     "redis://", f"redis://:{self.redis_password}@", 1)
                 return self
             if self.proc.poll() is not None:

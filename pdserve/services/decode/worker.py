@@ -2,7 +2,7 @@
 
 Requests arrive two ways: over KV transfer from a prefill pod (reserve -> blocks -> commit; they join
 the running batch with their first token already sampled), or on the pod's own Redis stream
-``pdserve:decode:{pod_id}`` when the router decided this pod prefills them itself (no prefill tier
+``pdserve:{p-<pod_id>}:queue`` when the router decided this pod prefills them itself (no prefill tier
 alive, ``--colocated``, or a short uncached suffix). Every token goes to the request's output stream.
 """
 

@@ -1,6 +1,6 @@
 """The prefill queue's backlog, read from Redis: entries and prompt tokens waiting or in prefill.
 
-The queue is the stream ``pdserve:prefill`` with consumer group ``prefill`` (pdserve/shared/protocol/keys.py). An
+The queue is the stream ``pdserve:{q-prefill}:queue`` with consumer group ``prefill`` (pdserve/shared/protocol/keys.py). An
 entry is *waiting* when it comes after the group's last-delivered id, and *in prefill* while it is pending
 (delivered, not yet acknowledged). Each entry carries a plain ``prompt_tokens`` field (pdserve/shared/protocol/
 messages.py: ``PrefillRequest.encode``), so the tokens are summed without unpacking payloads. Redis 7

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from pdserve.shared.logs import setup_logging
+from pdserve.shared import redis_client
 from pdserve.shared.settings import given, settings_options
 
 from .settings import PlannerSettings
@@ -16,7 +17,6 @@ from .settings import PlannerSettings
 @settings_options(PlannerSettings)
 def command(**flags: Any) -> None:
     """Run the SLO planner. Flags override PDSERVE_* environment variables (every setting has one)."""
-    import redis
     import uvicorn
 
     from .app import PlannerLoop, create_app
@@ -26,7 +26,7 @@ def command(**flags: Any) -> None:
     settings = PlannerSettings(**given(flags))
     setup_logging(settings.log_level)
     scaler = KubeScaler(settings.namespace, kinds=settings.workload_kinds())
-    planner = Planner(settings, scaler, redis.Redis.from_url(settings.redis_url))
+    planner = Planner(settings, scaler, redis_client.connect(settings.redis_url, sync=True))
     app = create_app(PlannerLoop(planner, settings.interval_seconds))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
 

@@ -13,11 +13,7 @@ from contextlib import asynccontextmanager
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdserve.services.registry import errors
 from pdserve.services.registry.auth import OPEN_PATHS, BearerAuth
@@ -26,6 +22,7 @@ from pdserve.services.registry.metrics import RegistryMetrics
 from pdserve.services.registry.routes import router as routes
 from pdserve.services.registry.settings import RegistrySettings
 from pdserve.services.registry.store import PodStore
+from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.registry import TOKEN_ENV, check_token
 
@@ -35,11 +32,8 @@ log = logging.getLogger("pdserve.registry")
 def connect_redis(settings: RegistrySettings) -> aioredis.Redis:
     """A pooled connection that died with a Redis restart is retried at once on a fresh one; a real outage still
     answers 503 quickly (callers have a 2 s timeout and their own backoff)."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_max_connections, timeout=2, socket_timeout=2,
-        socket_connect_timeout=2, retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 2),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError])
-    return aioredis.Redis.from_pool(pool)
+    return redis_client.connect(settings.redis_url, pool=(settings.redis_max_connections, 2), retries=2,
+                                backoff_s=0.05, backoff_cap_s=0.2, socket_timeout=2, socket_connect_timeout=2)
 
 
 def create_app(settings: RegistrySettings | None = None) -> FastAPI:

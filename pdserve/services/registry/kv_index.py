@@ -1,9 +1,9 @@
 """The block index in Redis: which pod holds which prefix-cache block, kept from the pods' block events.
 
-Keys (prefix ``pdserve:registry:``):
-    kv:blocks:{pod_id}   set of the pod's cached block hashes (16 raw bytes each), in its KV pool
-    kv:blocks:{pod_id}:cpu, kv:blocks:{pod_id}:disk   the same for its offloading tiers (event ``medium``)
-    kv:seq:{pod_id}      hash {epoch, seq}: the pod's worker process and its last applied event
+Keys (named in pdserve/shared/protocol/keys.py, all in the pod's hash-tag slot, so each script touches one slot):
+    blocks_key(pod_id)   set of the pod's cached block hashes (16 raw bytes each), in its KV pool
+    tier_keys(pod_id)    the same for its offloading tiers (event ``medium``: cpu, disk)
+    seq_key(pod_id)      hash {epoch, seq}: the pod's worker process and its last applied event
 Both expire ``pod_ttl_s`` after the pod's last heartbeat or event (refreshed by either), together with the
 pod's record: a pod that stops beating has its blocks purged by Redis itself, and its deregistration
 deletes them at once. The index is bounded by the pods' cache sizes (a set holds what the pod's block pool
@@ -20,23 +20,16 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
+from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.keys import blocks_key, seq_key
 from pdserve.shared.protocol.kv_events import MEDIUMS, KVEventBatch, KVEventsReply, KVSnapshot
 
-PREFIX = "pdserve:registry:"
 _CHUNK = 1000  # members per SADD/SREM inside the scripts (Lua's unpack limit is ~8000)
-
-
-def blocks_key(pod_id: str) -> str:
-    return f"{PREFIX}kv:blocks:{pod_id}"
-
-
-def seq_key(pod_id: str) -> str:
-    return f"{PREFIX}kv:seq:{pod_id}"
 
 
 def tier_keys(pod_id: str) -> list[str]:
     """The pod's block sets of the offloading tiers (``cpu``, ``disk``), beside ``blocks_key`` (the pool's)."""
-    return [f"{blocks_key(pod_id)}:{medium}" for medium in MEDIUMS[1:]]
+    return keys.tier_keys(pod_id, MEDIUMS[1:])
 
 
 def _keys(pod_id: str) -> list[str]:

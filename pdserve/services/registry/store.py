@@ -1,9 +1,12 @@
 """Pod records in Redis: the registry's only state, so any number of registry replicas agree.
 
-Keys (prefix ``pdserve:registry:``):
-    pod:{pod_id}    hash, one JSON-encoded value per PodInfo field; EXPIRE pod_ttl_s on every beat
-    alive:{role}    sorted set pod_id -> last heartbeat (Redis server time, unix s)
-    kv:*:{pod_id}   the pod's block index (``kv_index.py``): refreshed by each beat, deleted with the pod
+Keys (named in pdserve/shared/protocol/keys.py):
+    pod_key(pod_id)   hash, one JSON-encoded value per PodInfo field; EXPIRE pod_ttl_s on every beat
+    alive_key(role)   sorted set pod_id -> last heartbeat (Redis server time, unix s)
+    the pod's block index (``kv_index.py``): refreshed by each beat, deleted with the pod
+A beat writes the pod's own keys (all in the pod's hash-tag slot) in one MULTI, then its alive-set entries: a
+Redis Cluster refuses a MULTI over several slots, and a reader that sees the alive entry before the record
+skips it until the next beat.
 A decode pod's own request stream (``keys.decode_stream``, local prefill) gets 10 x ``pod_ttl_s`` on every
 beat: a dead pod's stream (its consumer group, entries nobody will read) leaves Redis; the router has
 migrated those requests once the pod left the registry. The margin keeps a live pod's stream through a
@@ -19,19 +22,10 @@ import json
 
 from redis.asyncio import Redis
 
-from pdserve.services.registry.kv_index import blocks_key, seq_key, tier_keys
+from pdserve.services.registry.kv_index import tier_keys
 from pdserve.shared.protocol import keys
+from pdserve.shared.protocol.keys import alive_key, blocks_key, pod_key, seq_key
 from pdserve.shared.protocol.registry import ROLES, PodInfo
-
-PREFIX = "pdserve:registry:"
-
-
-def pod_key(pod_id: str) -> str:
-    return f"{PREFIX}pod:{pod_id}"
-
-
-def alive_key(role: str) -> str:
-    return f"{PREFIX}alive:{role}"
 
 
 class PodStore:
@@ -52,13 +46,15 @@ class PodStore:
             pipe.delete(key)
             pipe.hset(key, mapping={k: json.dumps(v) for k, v in stored.model_dump(mode="json").items()})
             pipe.pexpire(key, ttl_ms)
-            pipe.zadd(alive_key(info.role), {info.pod_id: now})
             for key in (blocks_key(info.pod_id), *tier_keys(info.pod_id)):
                 pipe.pexpire(key, ttl_ms)  # its blocks live exactly as long as its record
             pipe.pexpire(seq_key(info.pod_id), ttl_ms)
-            pipe.pexpire(alive_key(info.role), ttl_ms * 10)  # an abandoned deployment leaves nothing behind
             if info.role == "decode":
                 pipe.pexpire(keys.decode_stream(info.pod_id), ttl_ms * 10)
+            await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(alive_key(info.role), {info.pod_id: now})
+            pipe.pexpire(alive_key(info.role), ttl_ms * 10)  # an abandoned deployment leaves nothing behind
             for other in ROLES:
                 if other != info.role:
                     pipe.zrem(alive_key(other), info.pod_id)
@@ -91,9 +87,11 @@ class PodStore:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(pod_key(pod_id))
             pipe.delete(blocks_key(pod_id), seq_key(pod_id), *tier_keys(pod_id))
+            deleted, *_ = await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
             for r in ROLES:
                 pipe.zrem(alive_key(r), pod_id)
-            deleted, *_ = await pipe.execute()
+            await pipe.execute()
         return bool(deleted)
 
     @staticmethod

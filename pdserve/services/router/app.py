@@ -18,15 +18,12 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.shared.models.resolve import resolve_model
+from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 
 from . import errors
@@ -60,10 +57,8 @@ def connect_redis(settings: RouterSettings) -> Redis:
     flight and waits for a free connection when full: redis-py's default pool (100 connections,
     MaxConnectionsError at once when exhausted) turned an abort storm of 200 clients into 503s "Redis is
     unavailable" while Redis was fine."""
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_max_connections, timeout=REDIS_POOL_WAIT_S,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 6), retry_on_error=[RedisConnectionError, RedisTimeoutError])
-    return Redis.from_pool(pool)
+    return redis_client.connect(settings.redis_url, pool=(settings.redis_max_connections, REDIS_POOL_WAIT_S),
+                                retries=6)
 
 
 async def announce(redis: Redis, router_id: str) -> None:

@@ -2,7 +2,7 @@
 scheduler shape), chosen by name (``--pd-policy``; ``POLICIES``). A new policy is one class here plus its name.
 
 The two paths: the chosen decode pod prefills the prompt itself ("local": its own stream) or the prefill tier
-does and hands the KV over ("remote": ``pdserve:prefill``). Filters drop a path that must not be taken, in order;
+does and hands the KV over ("remote": ``pdserve:{q-prefill}:queue``). Filters drop a path that must not be taken, in order;
 the first filter that leaves one path decides it, and its name is the decision's reason. When both remain, the
 scorers estimate each path's TTFT and the picker takes one.
 

@@ -7,7 +7,7 @@ Decode pod, by ``routing_mode``:
   least_loaded   fewest requests (counting those this router has in flight to it that its last heartbeat
                  may not show yet), then most free KV blocks;
   round_robin    pods in turn (the benchmark's baseline).
-Prefill: local (the decode pod's own stream) or remote (``pdserve:prefill``), decided by one ``PdPolicy``
+Prefill: local (the decode pod's own stream) or remote (``pdserve:{q-prefill}:queue``), decided by one ``PdPolicy``
 (``pd_policy.py``, ``--pd-policy``) on what the decode pod would still have to prefill (kv: the prompt past its
 cached prefix; otherwise the whole prompt), the pod's last load report and the prefill tier's (live pods and
 the prompt tokens they hold). Both modes ask the same policy.

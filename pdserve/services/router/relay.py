@@ -32,6 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import MessageError, OutputEvent
 from pdserve.shared.protocol.sampling_params import SamplingParams
@@ -265,9 +266,13 @@ async def abort_requests(redis: Redis, request_ids: list[str]) -> None:
     """Tell every worker to drop these requests (pub/sub + a marker key for late readers); drop their output."""
     if not request_ids:
         return
+    cluster = redis_client.is_cluster(redis)  # a cluster pipeline refuses PUBLISH (not a key command)
     async with redis.pipeline(transaction=False) as pipe:
         for rid in request_ids:
             pipe.set(keys.aborted_key(rid), b"1", ex=keys.ABORTED_TTL_S)
-            pipe.publish(keys.ABORT_CHANNEL, rid)
+            if not cluster:
+                pipe.publish(keys.ABORT_CHANNEL, rid)
             pipe.delete(keys.output_stream(rid))
         await pipe.execute()
+    if cluster:
+        await asyncio.gather(*(redis.publish(keys.ABORT_CHANNEL, rid) for rid in request_ids))

@@ -31,9 +31,6 @@ from pdserve.shared.protocol.messages import MessageError, OutputBatch, OutputEv
 
 logger = logging.getLogger(__name__)
 
-_PREFIX = keys.output_stream("")
-
-
 class _Request:
     __slots__ = ("seq", "buffer", "waiters")
 
@@ -142,7 +139,7 @@ class RelayReader:
             self.events += len(batch.events)
             now = time.monotonic()
             for event in batch.events:
-                name = _PREFIX + event.request_id
+                name = keys.output_stream(event.request_id)
                 request = self._requests.get(name)
                 if request is None:
                     self._unclaimed.setdefault(name, (now, []))[1].append(event)

@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from pdserve.shared import tracing
 from pdserve.shared.logs import request_id as log_request_id
+from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import OutputEvent
 
 from . import delivery, errors
@@ -233,11 +234,14 @@ class CompletionService:
 
     def new_job(self, req: GenerationRequest, kind: str, plan: RequestPlan, response_id: str, client_chose: bool,
                 arrival_wall: float, arrival: float) -> Job:
-        """The job's internal request ids (``response_id``, or ``response_id-<i>`` per choice) and its builder."""
+        """The job's internal request ids (``response_id``, or ``response_id-<i>`` per choice, then ``@<router id>``)
+        and its builder."""
         total = len(plan.prompts) * plan.n
         # A client may reuse its id (retries): internal ids must stay unique, they name the output streams.
         stem = f"{response_id}-{uuid.uuid4().hex[:8]}" if client_chose else response_id
-        request_ids = [stem] if total == 1 else [f"{stem}-{i}" for i in range(total)]
+        # Each id names this router, so its output stream shares the router's Redis Cluster slot (keys.py).
+        stems = [stem] if total == 1 else [f"{stem}-{i}" for i in range(total)]
+        request_ids = [keys.owned_request_id(s, self.state.router_id) for s in stems]
         builder = self._builder(req, kind, plan, response_id, int(arrival_wall))
         return Job(response_id, request_ids, [], arrival, builder,
                    waiting={i: len(plan.prompts[i // plan.n]) for i in range(total)})

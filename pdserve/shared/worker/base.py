@@ -17,16 +17,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
 import torch
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.shared import tracing
+from pdserve.shared import redis_client, tracing
 from pdserve.shared.engine.llm_engine import LLMEngine
 from pdserve.shared.engine.step_log import StepLog
 from pdserve.shared.models.tensor_parallel import TPShard
@@ -81,8 +76,7 @@ class Worker:
         self.engine_thread: EngineThread | None = None
         # Every command retries connection errors with backoff (~6 s in all): a Redis restart costs a pause,
         # not a failed request; longer outages surface as errors the loops below retry on their own.
-        self.redis = aioredis.from_url(settings.redis_url, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 6),
-                                       retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        self.redis = redis_client.connect(settings.redis_url, retries=6)
         self.writer = OutputWriter(self.redis, pod_id=settings.pod_id)
         self.registry = RegistryClient(settings.registry_url, token=settings.registry_token)
         self.heartbeater: Heartbeater | None = None

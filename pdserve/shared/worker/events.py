@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from redis.exceptions import NoScriptError
+
 from pdserve.shared.engine.outputs import RequestOutput
 from pdserve.shared.protocol.messages import OutputEvent, TokenLogprob
 from pdserve.shared.worker.output_writer import OutputWriter
@@ -83,9 +85,16 @@ async def publish(writer: OutputWriter, redis, events: list[OutputEvent], retry_
         return
 
     async def write() -> None:
-        pipe = redis.pipeline(transaction=False)
-        for event in writer.queue_batches(pipe, events):
-            await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
-        await pipe.execute()
+        for attempt in range(2):
+            pipe = redis.pipeline(transaction=False)
+            for event in writer.queue_batches(pipe, events):
+                await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
+            try:
+                await pipe.execute()
+                return
+            except NoScriptError:
+                if attempt:
+                    raise
+                await writer.load(redis)  # a cluster pipeline (or a new primary) without the script yet
 
     await retry_redis(write, f"writing {len(events)} output events", retry_s)

@@ -53,6 +53,11 @@ class OutputWriter:
         self._routes: OrderedDict[str, str] = OrderedDict()
         self._ttl_due: dict[str, float] = {}  # relay stream -> monotonic time its TTL is to be refreshed
 
+    def load(self, redis: Any) -> Any:
+        """Loads the script into Redis's script cache (a cluster client loads it on every primary): a Redis Cluster
+        pipeline sends EVALSHA without loading the script first, as a single-server pipeline does."""
+        return redis.script_load(_WRITE_OUTPUT_LUA)
+
     def route(self, request_id: str, router_id: str | None) -> None:
         """``request_id``'s events go to ``keys.relay_stream(router_id)`` from now on (None: its own stream)."""
         if not router_id:
