@@ -12,7 +12,7 @@ from redis.crc import key_slot
 
 from pdserve.services.registry.kv_index import BlockIndex
 from pdserve.services.registry.store import PodStore
-from pdserve.services.router.output_streams import OutputStreams
+from pdserve.services.router.relay_reader import RelayReader
 from pdserve.services.router.relay import abort_requests
 from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
@@ -57,29 +57,38 @@ def test_the_keys_of_a_request_its_router_and_a_pod_share_one_slot_and_spread_ot
     assert len(routers) > 48  # different routers land on different slots (and so shards)
 
 
-def test_workers_output_script_and_the_routers_shared_xread_work_on_a_cluster(cluster):
+def test_workers_output_batches_script_and_the_routers_relay_readers_work_on_a_cluster(cluster):
+    """Routed requests: one pipelined step writes an ``OutputBatch`` to each of three routers' relay streams (three
+    slots), and each router's ``RelayReader`` gets exactly its own requests' events. Unrouted requests: the output
+    script runs per event on a cluster pipeline (loaded on the primaries on demand), skipping an aborted one."""
     ids = {router: [keys.owned_request_id(f"cmpl-{i}", router) for i in range(4)] for router in ("ra", "rb", "rc")}
+    loose = [f"plain-{i}" for i in range(3)]
 
     async def scenario(client):
         writer = OutputWriter(client)
-        await client.set(keys.aborted_key(ids["rb"][0]), b"1")
-        # one pipelined write for requests of three routers (three slots): the script runs once per event
-        await publish(writer, client, [OutputEvent(rid, token_ids=[7], text="a") for rs in ids.values() for rid in rs])
-        streams = OutputStreams(client, block_ms=200)
-        try:
-            replies = {router: await streams.xread({keys.output_stream(r): "0-0" for r in rs}, block=200)
-                       for router, rs in ids.items()}
-        finally:
-            await streams.close() if hasattr(streams, "close") else None
-        await abort_requests(client, ids["ra"])
-        left = [await client.exists(keys.output_stream(r)) for r in ids["ra"]]
-        return replies, left, await client.exists(keys.output_stream(ids["rb"][0]))
+        for router, rs in ids.items():
+            for rid in rs:
+                writer.route(rid, router)
+        await client.set(keys.aborted_key(loose[0]), b"1")
+        await publish(writer, client, [OutputEvent(rid, token_ids=[7], text="a")
+                                       for rid in [r for rs in ids.values() for r in rs] + loose])
+        replies = {}
+        for router, rs in ids.items():
+            reader = RelayReader(client, router, block_ms=200)
+            try:
+                replies[router] = await reader.xread({keys.output_stream(r): "0-0" for r in rs}, block=2000)
+            finally:
+                await reader.aclose()
+        streams = [await client.xlen(keys.output_stream(rid)) for rid in loose]
+        relay_lengths = [await client.xlen(keys.relay_stream(router)) for router in ids]
+        return replies, streams, relay_lengths
 
-    replies, left, aborted_stream = run(scenario, cluster.url)
+    replies, streams, relay_lengths = run(scenario, cluster.url)
     for router, rs in ids.items():
         got = {keys.output_stream_request(name) for name, _ in replies[router]}
-        assert got == set(rs) - ({ids["rb"][0]} if router == "rb" else set())
-    assert left == [0, 0, 0, 0] and aborted_stream == 0  # the aborted request's stream was never created
+        assert got == set(rs)
+    assert relay_lengths == [1, 1, 1]  # one batch per router for the whole step
+    assert streams == [0, 1, 1]  # the aborted request's stream was never created
 
 
 def test_the_registrys_heartbeat_transaction_and_block_scripts_work_on_a_cluster(cluster):

@@ -85,16 +85,19 @@ async def publish(writer: OutputWriter, redis, events: list[OutputEvent], retry_
         return
 
     async def write() -> None:
-        for attempt in range(2):
+        pipe = redis.pipeline(transaction=False)
+        loose = writer.queue_batches(pipe, events)
+        for event in loose:
+            await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
+        try:
+            await pipe.execute()
+        except NoScriptError:
+            # A cluster pipeline (or a new primary) without the script yet: the pipeline's other commands ran, so
+            # only the script calls go again (resending the relay batches would deliver their events twice).
+            await writer.load(redis)
             pipe = redis.pipeline(transaction=False)
-            for event in writer.queue_batches(pipe, events):
-                await writer.write(event, client=pipe)  # the asyncio script call queues onto the pipeline
-            try:
-                await pipe.execute()
-                return
-            except NoScriptError:
-                if attempt:
-                    raise
-                await writer.load(redis)  # a cluster pipeline (or a new primary) without the script yet
+            for event in loose:
+                await writer.write(event, client=pipe)
+            await pipe.execute()
 
     await retry_redis(write, f"writing {len(events)} output events", retry_s)
