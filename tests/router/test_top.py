@@ -184,6 +184,7 @@ def test_once_lists_each_request_in_flight_with_its_phase(redis_url, registry_ur
         clients[-1].start()
 
     def emit(req: PrefillRequest, count: int) -> None:
+        writer.route(req.request_id, req.router_id)  # as a worker does when it takes the request
         for i in range(count):
             writer.write(OutputEvent(req.request_id, 0, [1000 + i], f" t{i}", prompt_tokens=len(req.prompt_token_ids),
                                      completion_tokens=i + 1))
