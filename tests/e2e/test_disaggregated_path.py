@@ -210,12 +210,13 @@ def test_a_queue_entry_delivered_twice_is_decoded_once(ensemble, offline, prompt
                 usage = data.get("usage") or usage
                 text += "".join(c.get("text") or "" for c in data.get("choices") or [])
                 if text and not redelivered:
-                    rid = data["id"]  # n = 1 and no client id: the internal request id is the response's
                     # the entry a reclaiming worker gets is the same one: it names the router relaying the output
                     routers = [k.decode() for k in r.scan_iter(match=keys.relay_stream("*"))]
                     assert len(routers) == 1, routers
                     router_id = routers[0].removeprefix(keys.relay_stream("").removesuffix("}:relay"))
                     router_id = router_id.removesuffix("}:relay")
+                    # n = 1 and no client id: the internal request id is the response's, owned by the router
+                    rid = keys.owned_request_id(data["id"], router_id)
                     # the first worker acknowledged its entry: it handed the request over
                     deadline = time.monotonic() + 30
                     while r.xpending(keys.PREFILL_STREAM, keys.PREFILL_GROUP)["pending"] and time.monotonic() < deadline:
