@@ -1,0 +1,326 @@
+"""``pdserve bench control-plane``: how many tokens per second the control plane (Redis, routers, the registry)
+carries before it adds more than ``--max-added-ms`` to p99 ITL, and what each part spends per token.
+
+A synthetic fleet, every process real except the model: a ``redis-server`` (or a local Redis Cluster of
+``--shards`` primaries, ``redis_cluster.py``), the registry and ``--routers`` routers as ``pdserve`` processes, and
+N stand-in decode pods in one process (``fleet.py``: the real ``DecodeWorker`` on a ``StubEngine`` that emits one
+token per running request every ``--step-ms``). Streaming clients (this process, httpx) keep ``N x batch`` requests
+open, closed loop, over the routers in turn; ``batch`` ramps up (``--batches``), so the offered load is
+``N x batch / step`` tokens/s. Per level, after ``--warmup-s``, for ``--seconds``:
+
+- ITL at the client (gaps between a request's chunks after its first), p50/p99, and the p99 minus the step
+  interval: what the control plane added;
+- the stubs' own step lateness (their process is on the same cores): a late step is the harness, not Redis or
+  the router;
+- CPU per generated token of Redis (``INFO cpu``, all shards), the routers and the registry (psutil), and of the
+  pods and the clients for scale; Redis commands per token (``INFO commandstats``).
+
+The ramp stops at the first level whose added p99 exceeds the bound; the level before it is the ceiling.
+
+    pdserve bench control-plane --pods 8 --pods 32 --batches 1,2,4,8
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import secrets
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import click
+import httpx
+import psutil
+import redis as redis_sync
+
+from pdserve.loadtest.errors import LoadTestError
+from pdserve.loadtest.procs import free_port, running
+
+
+@dataclass(slots=True)
+class LevelResult:
+    pods: int
+    batch: int
+    streams: int
+    offered_tok_s: float
+    tok_s: float = 0.0
+    itl_p50_ms: float = 0.0
+    itl_p99_ms: float = 0.0
+    added_p99_ms: float = 0.0
+    step_late_p99_ms: float = 0.0
+    errors: int = 0
+    cpu_us_per_token: dict[str, float] = field(default_factory=dict)
+    redis_commands_per_token: float = 0.0
+    loadavg: float = 0.0
+
+
+@dataclass(slots=True)
+class Streams:
+    """What the clients saw: chunk gaps and tokens inside the measuring window."""
+
+    window: tuple[float, float] = (0.0, float("inf"))
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    errors: int = 0
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, seen: Streams) -> str:
+    """One streamed completion; records its chunk gaps and tokens that fall in ``seen.window``; returns its text."""
+    last = None
+    text = []
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            seen.errors += 1
+            await resp.aread()
+            return ""
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                seen.errors += 1
+                break
+            choices = chunk.get("choices")
+            if not choices or not choices[0].get("text"):
+                continue
+            now = time.monotonic()
+            text.append(choices[0]["text"])
+            if seen.window[0] <= now <= seen.window[1]:
+                seen.tokens += 1
+                if last is not None:
+                    seen.gaps.append(now - last)
+            last = now
+    return "".join(text)
+
+
+async def drive(routers: list[str], model: str, streams: int, input_len: int, output_len: int, until: float,
+                seen: Streams, seed: int = 0) -> None:
+    """``streams`` closed-loop clients spread over ``routers`` until ``until`` (monotonic)."""
+    rng = random.Random(seed)
+
+    async def loop(i: int, client: httpx.AsyncClient) -> None:
+        url = routers[i % len(routers)] + "/v1/completions"
+        while time.monotonic() < until:
+            body = {"model": model, "prompt": [rng.randrange(1000, 40000) for _ in range(input_len)],
+                    "max_tokens": output_len, "stream": True, "ignore_eos": True}
+            try:
+                await stream_one(client, url, body, seen)
+            except httpx.HTTPError:
+                seen.errors += 1
+                await asyncio.sleep(0.1)
+
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=limits) as client:
+        await asyncio.gather(*(loop(i, client) for i in range(streams)))
+
+
+class Counters:
+    """CPU seconds of the processes by role, and Redis's CPU and command counts over every node."""
+
+    def __init__(self, procs: dict[str, list[int]], redis_ports: list[int]) -> None:
+        self.procs = {role: [psutil.Process(p) for p in pids] for role, pids in procs.items()}
+        self.nodes = [redis_sync.Redis(host="127.0.0.1", port=p, socket_timeout=5) for p in redis_ports]
+
+    def read(self) -> dict[str, float]:
+        out = {}
+        for role, ps in self.procs.items():
+            out[role] = sum(t.user + t.system for t in (p.cpu_times() for p in ps))
+        cpu = calls = 0.0
+        for node in self.nodes:
+            info = node.info("cpu")
+            cpu += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+            calls += sum(v["calls"] for k, v in node.info("commandstats").items()
+                         if not k.startswith(("cmdstat_info", "cmdstat_cluster")))
+        out["redis"], out["redis_calls"] = cpu, calls
+        return out
+
+
+def measure_level(routers: list[str], fleet_url: str, counters: Counters, model: str, pods: int, batch: int,
+                  step_s: float, input_len: int, output_len: int, warmup_s: float, seconds: float) -> LevelResult:
+    streams = pods * batch
+    res = LevelResult(pods, batch, streams, streams / step_s)
+    seen = Streams()
+
+    async def run() -> tuple[dict, dict]:
+        start = time.monotonic()
+        seen.window = (start + warmup_s, start + warmup_s + seconds)
+        clients = asyncio.create_task(drive(routers, model, streams, input_len, output_len, seen.window[1], seen))
+        await asyncio.sleep(warmup_s)
+        async with httpx.AsyncClient() as http:
+            await http.get(fleet_url + "/fleet/stats")  # resets the stubs' lateness
+            before = counters.read()
+            await asyncio.sleep(seconds)
+            after = counters.read()
+            stubs = (await http.get(fleet_url + "/fleet/stats")).json()
+        await clients
+        return {k: after[k] - before[k] for k in after}, stubs
+
+    deltas, stubs = asyncio.run(run())
+    tokens = max(seen.tokens, 1)
+    gaps = sorted(seen.gaps)
+    res.tok_s = seen.tokens / seconds
+    res.itl_p50_ms = 1e3 * gaps[len(gaps) // 2] if gaps else 0.0
+    res.itl_p99_ms = 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
+    res.added_p99_ms = res.itl_p99_ms - 1e3 * step_s
+    res.step_late_p99_ms = stubs["step_late_p99_ms"]
+    res.errors = seen.errors
+    res.cpu_us_per_token = {k: round(1e6 * v / tokens, 1) for k, v in deltas.items() if k != "redis_calls"}
+    res.redis_commands_per_token = deltas["redis_calls"] / tokens
+    res.loadavg = os.getloadavg()[0]
+    return res
+
+
+@contextmanager
+def redis_servers(shards: int) -> Iterator[tuple[str, list[int]]]:
+    """(URL, ports): one plain ``redis-server`` (``shards`` 0) or a local cluster of ``shards`` primaries."""
+    if shards:
+        from pdserve.loadtest.redis_cluster import RedisClusterServers
+
+        with RedisClusterServers(shards) as cluster:
+            yield cluster.url, list(cluster.ports)
+        return
+    from pdserve.services.up import redis_executable
+
+    port = free_port()
+    proc = subprocess.Popen([redis_executable(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis_sync.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis_sync.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise LoadTestError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0", [port]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@dataclass(slots=True)
+class Ensemble:
+    routers: list[str]
+    fleet_url: str
+    counters: Counters
+
+
+@contextmanager
+def ensemble(pods: int, routers: int, shards: int, step_s: float, model: str,
+             timeout_s: float = 300.0) -> Iterator[Ensemble]:
+    """Redis, the registry, ``routers`` routers and ``pods`` stand-in pods, all on loopback, ready to serve."""
+    py = [sys.executable, "-m", "pdserve.services.cli"]
+    token = secrets.token_hex(16)
+    with ExitStack() as stack:
+        redis_url, redis_ports = stack.enter_context(redis_servers(shards))
+        reg_port = free_port()
+        registry_url = f"http://127.0.0.1:{reg_port}"
+        env = {"PDSERVE_REDIS_URL": redis_url, "PDSERVE_REGISTRY_URL": registry_url, "PDSERVE_REGISTRY_TOKEN": token,
+               "PDSERVE_LOG_LEVEL": "warning", "PDSERVE_MODEL": model}
+        registry = stack.enter_context(running([*py, "registry", "--host", "127.0.0.1", "--port", str(reg_port)],
+                                               registry_url + "/health", timeout_s, env))
+        fleet_port = free_port()
+        fleet_url = f"http://127.0.0.1:{fleet_port}"
+        fleet = stack.enter_context(running(
+            [sys.executable, "-m", "pdserve.loadtest.fleet", "--pods", str(pods), "--port", str(fleet_port),
+             "--redis-url", redis_url, "--registry-url", registry_url, "--registry-token", token, "--model", model,
+             "--step-ms", str(1e3 * step_s)], fleet_url + "/health", timeout_s, env))
+        urls, pids = [], []
+        for _ in range(routers):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = stack.enter_context(running([*py, "router", "--host", "127.0.0.1", "--port", str(port)],
+                                               url + "/health", timeout_s, env, serving_model=model))
+            urls.append(url)
+            pids.append(proc.pid)
+        counters = Counters({"router": pids, "registry": [registry.pid], "pods": [fleet.pid],
+                             "clients": [os.getpid()]}, redis_ports)
+        yield Ensemble(urls, fleet_url, counters)
+
+
+def ramp(pods: int, batches: list[int], routers: int = 1, shards: int = 0, step_ms: float = 25.0,
+         model: str = "smollm2-135m-instruct", input_len: int = 32, output_len: int = 64, warmup_s: float = 2.0,
+         seconds: float = 6.0, max_added_ms: float = 10.0, echo=click.echo) -> list[LevelResult]:
+    """One ensemble for ``pods``; levels in ``batches`` order until one adds more than ``max_added_ms``."""
+    step_s = step_ms / 1e3
+    levels = []
+    with ensemble(pods, routers, shards, step_s, model) as ens:
+        for batch in batches:
+            r = measure_level(ens.routers, ens.fleet_url, ens.counters, model, pods, batch, step_s, input_len,
+                              output_len, warmup_s, seconds)
+            levels.append(r)
+            echo(format_level(r))
+            if r.added_p99_ms > max_added_ms:
+                break
+    return levels
+
+
+def format_level(r: LevelResult) -> str:
+    cpu = "  ".join(f"{k} {v:.0f}" for k, v in r.cpu_us_per_token.items())
+    return (f"  N={r.pods:<4} batch {r.batch:<3} offered {r.offered_tok_s:>7.0f} tok/s  got {r.tok_s:>7.0f}  "
+            f"ITL p50 {r.itl_p50_ms:5.1f} p99 {r.itl_p99_ms:5.1f} ms (added {r.added_p99_ms:+5.1f}; stub steps late "
+            f"p99 {r.step_late_p99_ms:4.1f})  errors {r.errors}  µs/token: {cpu}  Redis cmds/token "
+            f"{r.redis_commands_per_token:.3f}  load {r.loadavg:.1f}")
+
+
+def ceiling(levels: list[LevelResult], max_added_ms: float) -> LevelResult | None:
+    ok = [r for r in levels if r.added_p99_ms <= max_added_ms and not r.errors]
+    return ok[-1] if ok else None
+
+
+def cpu_flags() -> str:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return "?"
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16") if f" {f}" in text)
+
+
+@click.command("control-plane")
+@click.option("--pods", "pod_counts", multiple=True, type=int, default=(8, 32), show_default=True,
+              help="Stand-in decode pods (repeat for several fleets, each a fresh ensemble).")
+@click.option("--batches", default="1,2,4,8,16", show_default=True,
+              help="Running requests per pod at each level of the ramp, comma-separated.")
+@click.option("--step-ms", default=25.0, show_default=True, help="The stubs' decode step interval (ITL floor).")
+@click.option("--routers", default=1, show_default=True, help="Router processes; clients use them in turn.")
+@click.option("--redis-cluster", "shards", default=0, show_default=True,
+              help="Shards of a local Redis Cluster (0: one plain redis-server).")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Model whose tokenizer the routers load (no weights are used).")
+@click.option("--input-len", default=32, show_default=True, help="Prompt tokens per request (random ids).")
+@click.option("--output-len", default=64, show_default=True, help="Tokens per request (ignore_eos).")
+@click.option("--warmup-s", default=2.0, show_default=True)
+@click.option("--seconds", default=6.0, show_default=True, help="Measuring window per level.")
+@click.option("--max-added-ms", default=10.0, show_default=True, help="p99 ITL the control plane may add.")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+def control_plane_command(pod_counts, batches, step_ms, routers, shards, model, input_len, output_len, warmup_s,
+                          seconds, max_added_ms, json_out) -> None:
+    """Ramp offered tokens/s through real Redis, routers and registry to N stub decode pods until p99 ITL grows by
+    more than --max-added-ms; CPU per token of each part."""
+    levels = [int(b) for b in batches.split(",") if b.strip()]
+    click.echo(f"control-plane: step {step_ms:g} ms, {input_len} in / {output_len} out, {routers} router(s), "
+               f"{'Redis Cluster x' + str(shards) if shards else 'one Redis'}; CPU flags {cpu_flags()}; load "
+               f"{os.getloadavg()[0]:.1f}")
+    results = []
+    try:
+        for pods in pod_counts:
+            rows = ramp(pods, levels, routers, shards, step_ms, model, input_len, output_len, warmup_s, seconds,
+                        max_added_ms)
+            top = ceiling(rows, max_added_ms)
+            click.echo(f"N={pods}: ceiling {f'{top.tok_s:.0f} tok/s (batch {top.batch})' if top else 'below the first level'}"
+                       f"{'' if rows[-1].added_p99_ms > max_added_ms else ' (not reached: the ramp ended first)'}")
+            results += [asdict(r) for r in rows]
+    except LoadTestError as exc:
+        raise click.ClickException(str(exc)) from None
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(results, f, indent=2)
