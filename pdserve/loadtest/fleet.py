@@ -32,22 +32,23 @@ from pdserve.services.decode.worker import DecodeWorker
 class StubDecodeWorker(DecodeWorker):
     """A ``DecodeWorker`` whose engine is a ``StubEngine`` stepping every ``step_s`` seconds."""
 
-    def __init__(self, settings: DecodeSettings, step_s: float, max_num_seqs: int) -> None:
+    def __init__(self, settings: DecodeSettings, step_s: float, max_num_seqs: int, stamp: bool = False) -> None:
         super().__init__(settings)
-        self.step_s, self.max_num_seqs = step_s, max_num_seqs
+        self.step_s, self.max_num_seqs, self.stamp = step_s, max_num_seqs, stamp
 
     def build_engine(self) -> StubEngine:
         return StubEngine(self.step_s, self.max_num_seqs, self.settings.block_size,
-                          enable_kv_events=self.settings.enable_kv_events)
+                          enable_kv_events=self.settings.enable_kv_events, stamp=self.stamp)
 
 
 class Fleet:
     """``pods`` stub decode workers started and stopped together, and their shared HTTP app."""
 
-    def __init__(self, pods: int, port: int, step_s: float, max_num_seqs: int = 256, **settings: object) -> None:
+    def __init__(self, pods: int, port: int, step_s: float, max_num_seqs: int = 256, stamp: bool = False,
+                 **settings: object) -> None:
         self.port = port
         self.workers = [StubDecodeWorker(DecodeSettings(pod_id=f"stub-{i}", kv_port=0, colocated=True, port=port,
-                                                        **settings), step_s, max_num_seqs) for i in range(pods)]
+                                                        **settings), step_s, max_num_seqs, stamp) for i in range(pods)]
         for w in self.workers:
             w.http_port = port
 
@@ -119,9 +120,10 @@ async def serve(fleet: Fleet) -> None:
 @click.option("--model", default="smollm2-135m-instruct", show_default=True, help="The model the pods register.")
 @click.option("--step-ms", default=25.0, show_default=True, help="The stubs' decode step interval.")
 @click.option("--max-num-seqs", default=256, show_default=True, help="Batch cap per pod.")
-def main(pods, port, redis_url, registry_url, registry_token, model, step_ms, max_num_seqs) -> None:
+@click.option("--stamp", is_flag=True, help="Each token's text carries its step's wall-clock time (stub_engine.py).")
+def main(pods, port, redis_url, registry_url, registry_token, model, step_ms, max_num_seqs, stamp) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    fleet = Fleet(pods, port, step_ms / 1e3, max_num_seqs, redis_url=redis_url, registry_url=registry_url,
+    fleet = Fleet(pods, port, step_ms / 1e3, max_num_seqs, stamp, redis_url=redis_url, registry_url=registry_url,
                   registry_token=registry_token, model=model, host="127.0.0.1", advertise_host="127.0.0.1")
     asyncio.run(serve(fleet))
 

@@ -3,7 +3,8 @@
 Every ``step_s`` seconds (on a fixed schedule, as a GPU's decode steps come) each running request gets one token,
 up to ``max_num_seqs`` requests in the batch; a request added between two steps gets its first token at the next
 one (its prefill costs nothing). Token ``i`` of a completion is ``TOKEN_BASE + i`` with the text ``token_text(i)``,
-so a client can check what it got. A request ends at its ``max_tokens`` (16 when None) with ``length``.
+so a client can check what it got; with ``stamp``, each token's text ends in ``@`` and the wall-clock time of its
+step (``stamped``), so a client on the same host measures how long the token took from the step to it. A request ends at its ``max_tokens`` (16 when None) with ``length``.
 
 The KV events are the real engine's kinds: a request's full prompt blocks (hashed as the engine hashes them) are
 ``stored`` when it starts and ``removed`` when it ends, so the registry's index sees one batch of each per request.
@@ -33,6 +34,12 @@ def token_text(i: int) -> str:
     return f" w{i}"
 
 
+def stamp_of(text: str) -> float | None:
+    """The wall-clock time of the step of a chunk's last stamped token (None: no stamp)."""
+    _, sep, tail = text.rpartition("@")
+    return float(tail) if sep else None
+
+
 @dataclass(slots=True)
 class StubSequence:
     request_id: str
@@ -52,8 +59,9 @@ class StubEngine:
     step_log = None
 
     def __init__(self, step_s: float, max_num_seqs: int = 256, block_size: int = 16, num_blocks: int = 100_000,
-                 max_model_len: int = 32768, enable_kv_events: bool = True) -> None:
+                 max_model_len: int = 32768, enable_kv_events: bool = True, stamp: bool = False) -> None:
         self.step_s = step_s
+        self.stamp = stamp
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -153,7 +161,8 @@ class StubEngine:
             with self._lock:
                 self.running.pop(seq.request_id, None)
             self._removed(seq)
-        completion = CompletionOutput(0, "", list(seq.token_ids), finish_reason=finish, new_text=token_text(i),
+        text = f"{token_text(i)}@{wall:.6f}" if self.stamp else token_text(i)
+        completion = CompletionOutput(0, "", list(seq.token_ids), finish_reason=finish, new_text=text,
                                       new_token_ids=[token])
         return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [completion], finish is not None,
                              metrics={"first_token_time": seq.first_token_time})
