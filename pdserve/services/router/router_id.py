@@ -22,6 +22,7 @@ MAX_DRAWS = 1000
 
 async def live_routers_by_primary(redis: Any) -> Counter:
     """Primary name (host:port) -> live router keys it holds, for every primary of the cluster (0s included)."""
+    await redis.initialize()  # a fresh client learns the nodes at its first command
     counts: Counter = Counter({node.name: 0 for node in redis.get_primaries()})
     for node in redis.get_primaries():
         cursor = 0
