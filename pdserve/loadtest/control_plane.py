@@ -41,6 +41,7 @@ import redis as redis_sync
 
 from pdserve.loadtest.errors import LoadTestError
 from pdserve.loadtest.procs import free_port, running
+from pdserve.loadtest.redis_cluster import SETUP_COMMANDS, RedisClusterServers
 from pdserve.loadtest.stub_engine import stamp_of
 
 
@@ -148,8 +149,7 @@ class Counters:
         for node in self.nodes:
             info = node.info("cpu")
             cpu += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-            calls += sum(v["calls"] for k, v in node.info("commandstats").items()
-                         if not k.startswith(("cmdstat_info", "cmdstat_cluster")))
+            calls += sum(v["calls"] for k, v in node.info("commandstats").items() if not k.startswith(SETUP_COMMANDS))
         out["redis"], out["redis_calls"] = cpu, calls
         return out
 
@@ -194,8 +194,6 @@ def measure_level(routers: list[str], fleet_url: str, counters: Counters, model:
 def redis_servers(shards: int) -> Iterator[tuple[str, list[int]]]:
     """(URL, ports): one plain ``redis-server`` (``shards`` 0) or a local cluster of ``shards`` primaries."""
     if shards:
-        from pdserve.loadtest.redis_cluster import RedisClusterServers
-
         with RedisClusterServers(shards) as cluster:
             yield cluster.url, list(cluster.ports)
         return
