@@ -64,6 +64,7 @@ class LevelResult:
     delivery_p50_ms: float = 0.0
     delivery_p99_ms: float = 0.0
     errors: int = 0
+    first_error: str = ""
     cpu_us_per_token: dict[str, float] = field(default_factory=dict)
     cpu_ms_per_s: dict[str, float] = field(default_factory=dict)  # CPU-ms per wall second (1000 = one core)
     redis_commands_per_token: float = 0.0
@@ -79,6 +80,11 @@ class Streams:
     delays: list[float] = field(default_factory=list)  # step to client, of stamped tokens (stub_engine.stamp_of)
     tokens: int = 0
     errors: int = 0
+    first_error: str = ""
+
+    def error(self, what: str) -> None:
+        self.errors += 1
+        self.first_error = self.first_error or what[:300]
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, seen: Streams) -> str:
@@ -87,15 +93,14 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, seen: Stre
     text = []
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
-            seen.errors += 1
-            await resp.aread()
+            seen.error(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
             return ""
         async for line in resp.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                seen.errors += 1
+                seen.error(f"error chunk: {chunk['error']}")
                 break
             choices = chunk.get("choices")
             if not choices or not choices[0].get("text"):
@@ -120,14 +125,19 @@ async def drive(routers: list[str], model: str, streams: int, input_len: int, ou
 
     async def loop(i: int, client: httpx.AsyncClient) -> None:
         url = routers[i % len(routers)] + "/v1/completions"
+        # arrivals spread over the first second, as a fleet's clients come (all at once is a herd on the registry's
+        # lookups that no fleet sends); after an error a client waits before it tries again
+        await asyncio.sleep(i / streams)
         while time.monotonic() < until:
+            errors = seen.errors
             body = {"model": model, "prompt": [rng.randrange(1000, 40000) for _ in range(input_len)],
                     "max_tokens": output_len, "stream": True, "ignore_eos": True}
             try:
                 await stream_one(client, url, body, seen)
-            except httpx.HTTPError:
-                seen.errors += 1
-                await asyncio.sleep(0.1)
+            except httpx.HTTPError as exc:
+                seen.error(f"{type(exc).__name__}: {exc}")
+            if seen.errors > errors:
+                await asyncio.sleep(0.5)
 
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=limits) as client:
@@ -182,7 +192,7 @@ def measure_level(routers: list[str], fleet_url: str, counters: Counters, model:
     res.delivery_p50_ms, res.delivery_p99_ms = quantile_ms(delays, 0.5), quantile_ms(delays, 0.99)
     res.added_p99_ms = res.itl_p99_ms - 1e3 * step_s
     res.step_late_p99_ms = stubs["step_late_p99_ms"]
-    res.errors = seen.errors
+    res.errors, res.first_error = seen.errors, seen.first_error
     res.cpu_us_per_token = {k: round(1e6 * v / tokens, 1) for k, v in deltas.items() if k != "redis_calls"}
     res.cpu_ms_per_s = {k: round(1e3 * v / seconds, 1) for k, v in deltas.items() if k != "redis_calls"}
     res.redis_commands_per_token = deltas["redis_calls"] / tokens
@@ -278,6 +288,8 @@ def ramp(pods: int, batches: list[int], routers: int = 1, shards: int = 0, step_
             r.bound_ms = (max(0.0, floor) if baseline == "first" else 0.0) + max_added_ms
             levels.append(r)
             echo(format_level(r))
+            if r.errors:
+                echo(f"    first error: {r.first_error}")
             if r.errors or r.tok_s < 0.5 * r.offered_tok_s:
                 break
     return levels
