@@ -334,7 +334,7 @@ def cpu_flags() -> str:
               help="Model whose tokenizer the routers load (no weights are used).")
 @click.option("--input-len", default=32, show_default=True, help="Prompt tokens per request (random ids).")
 @click.option("--output-len", default=64, show_default=True, help="Tokens per request (ignore_eos).")
-@click.option("--warmup-s", default=2.0, show_default=True)
+@click.option("--warmup-s", default=2.0, show_default=True, help="Seconds of each level before measuring.")
 @click.option("--seconds", default=6.0, show_default=True, help="Measuring window per level.")
 @click.option("--max-added-ms", default=10.0, show_default=True, help="p99 ITL the control plane may add.")
 @click.option("--baseline", type=click.Choice(["first", "none"]), default="first", show_default=True,
@@ -343,8 +343,19 @@ def cpu_flags() -> str:
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def control_plane_command(pod_counts, batches, step_ms, routers, shards, model, input_len, output_len, warmup_s,
                           seconds, max_added_ms, baseline, json_out) -> None:
-    """Ramp offered tokens/s through real Redis, routers and registry to N stub decode pods until p99 ITL grows by
-    more than --max-added-ms; CPU per token of each part."""
+    """The tokens/s the control plane carries, and its CPU per token, with stand-in decode pods.
+
+    N stand-in decode pods (the real decode worker on a stub engine that emits one token per running request every
+    --step-ms; all N in one process) behind real Redis (--redis-cluster: a local cluster), routers and registry.
+    Streaming clients keep pods x batch requests open, so the offered load is pods x batch / step tokens/s, for each
+    batch of --batches. Per level: client ITL p50/p99 and what p99 adds over the step, each token's step-to-client
+    time, the stubs' own lateness, and CPU per token of Redis, routers, registry, pods and clients. The ceiling is
+    the last level before p99 ITL grows by more than --max-added-ms (pdserve/loadtest/README.md).
+
+    \b
+    pdserve bench control-plane --pods 8 --pods 32 --batches 1,2,4,8
+    pdserve bench control-plane --pods 32 --step-ms 100 --redis-cluster 3 --routers 2
+    """
     levels = [int(b) for b in batches.split(",") if b.strip()]
     click.echo(f"control-plane: step {step_ms:g} ms, {input_len} in / {output_len} out, {routers} router(s), "
                f"{'Redis Cluster x' + str(shards) if shards else 'one Redis'}; CPU flags {cpu_flags()}; load "
