@@ -237,7 +237,7 @@ class Ensemble:
 
 
 @contextmanager
-def ensemble(pods: int, routers: int, shards: int, step_s: float, model: str,
+def ensemble(pods: int, routers: int, shards: int, step_s: float, model: str, heartbeat_s: float = 1.0,
              timeout_s: float = 300.0) -> Iterator[Ensemble]:
     """Redis, the registry, ``routers`` routers and ``pods`` stand-in pods, all on loopback, ready to serve."""
     py = [sys.executable, "-m", "pdserve.services.cli"]
@@ -255,7 +255,7 @@ def ensemble(pods: int, routers: int, shards: int, step_s: float, model: str,
         fleet = stack.enter_context(running(
             [sys.executable, "-m", "pdserve.loadtest.fleet", "--pods", str(pods), "--port", str(fleet_port),
              "--redis-url", redis_url, "--registry-url", registry_url, "--registry-token", token, "--model", model,
-             "--step-ms", str(1e3 * step_s), "--stamp"], fleet_url + "/health", timeout_s, env))
+             "--step-ms", str(1e3 * step_s), "--heartbeat-s", str(heartbeat_s), "--stamp"], fleet_url + "/health", timeout_s, env))
         urls, pids = [], []
         for _ in range(routers):
             port = free_port()
@@ -271,7 +271,7 @@ def ensemble(pods: int, routers: int, shards: int, step_s: float, model: str,
 
 def ramp(pods: int, batches: list[int], routers: int = 1, shards: int = 0, step_ms: float = 25.0,
          model: str = "smollm2-135m-instruct", input_len: int = 32, output_len: int = 64, warmup_s: float = 2.0,
-         seconds: float = 6.0, max_added_ms: float = 10.0, baseline: str = "first",
+         seconds: float = 6.0, max_added_ms: float = 10.0, baseline: str = "first", heartbeat_s: float = 1.0,
          echo=click.echo) -> list[LevelResult]:
     """One ensemble for ``pods``; levels in ``batches`` order. A level's bound is ``max_added_ms`` over the first
     level's added p99 (``baseline`` "first": on a shared machine the lightest load already shows the host's
@@ -280,7 +280,7 @@ def ramp(pods: int, batches: list[int], routers: int = 1, shards: int = 0, step_
     clients get less than half the offered tokens (saturated)."""
     step_s = step_ms / 1e3
     levels: list[LevelResult] = []
-    with ensemble(pods, routers, shards, step_s, model) as ens:
+    with ensemble(pods, routers, shards, step_s, model, heartbeat_s) as ens:
         for batch in batches:
             r = measure_level(ens.routers, ens.fleet_url, ens.counters, model, pods, batch, step_s, input_len,
                               output_len, warmup_s, seconds)
@@ -340,9 +340,11 @@ def cpu_flags() -> str:
 @click.option("--baseline", type=click.Choice(["first", "none"]), default="first", show_default=True,
               help="What --max-added-ms is counted over: the first level's added p99 (the host's noise at the lightest "
                    "load) or nothing (the absolute rule).")
+@click.option("--heartbeat-s", default=1.0, show_default=True,
+              help="Seconds between each stand-in pod's registry heartbeats (the workers' default is 1).")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def control_plane_command(pod_counts, batches, step_ms, routers, shards, model, input_len, output_len, warmup_s,
-                          seconds, max_added_ms, baseline, json_out) -> None:
+                          seconds, max_added_ms, baseline, heartbeat_s, json_out) -> None:
     """The tokens/s the control plane carries, and its CPU per token, with stand-in decode pods.
 
     N stand-in decode pods (the real decode worker on a stub engine that emits one token per running request every
@@ -364,7 +366,7 @@ def control_plane_command(pod_counts, batches, step_ms, routers, shards, model, 
     try:
         for pods in pod_counts:
             rows = ramp(pods, levels, routers, shards, step_ms, model, input_len, output_len, warmup_s, seconds,
-                        max_added_ms, baseline)
+                        max_added_ms, baseline, heartbeat_s)
             top = ceiling(rows)
             reached = top is not rows[-1]
             click.echo(f"N={pods}: ceiling {f'{top.tok_s:.0f} tok/s (batch {top.batch})' if top else 'below the first level'}"

@@ -120,11 +120,13 @@ async def serve(fleet: Fleet) -> None:
 @click.option("--model", default="smollm2-135m-instruct", show_default=True, help="The model the pods register.")
 @click.option("--step-ms", default=25.0, show_default=True, help="The stubs' decode step interval.")
 @click.option("--max-num-seqs", default=256, show_default=True, help="Batch cap per pod.")
+@click.option("--heartbeat-s", default=1.0, show_default=True, help="Seconds between each pod's heartbeats.")
 @click.option("--stamp", is_flag=True, help="Each token's text carries its step's wall-clock time (stub_engine.py).")
-def main(pods, port, redis_url, registry_url, registry_token, model, step_ms, max_num_seqs, stamp) -> None:
+def main(pods, port, redis_url, registry_url, registry_token, model, step_ms, max_num_seqs, heartbeat_s,
+         stamp) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     fleet = Fleet(pods, port, step_ms / 1e3, max_num_seqs, stamp, redis_url=redis_url, registry_url=registry_url,
-                  registry_token=registry_token, model=model, host="127.0.0.1", advertise_host="127.0.0.1")
+                  registry_token=registry_token, model=model, heartbeat_interval_s=heartbeat_s, host="127.0.0.1", advertise_host="127.0.0.1")
     asyncio.run(serve(fleet))
 
 
