@@ -48,12 +48,13 @@ def test_stand_in_pods_stream_every_token_of_each_request_through_a_real_router(
     processor = PromptProcessor(model)
 
     async def scenario():
-        reg_port, fleet_port, router_port = free_port(), free_port(), free_port()
+        reg_port, fleet_port = free_port(), free_port()
         registry = await serve(create_registry_app(RegistrySettings(redis_url=redis_url)), reg_port)
         fleet = Fleet(2, fleet_port, 0.005, redis_url=redis_url, registry_url=f"http://127.0.0.1:{reg_port}",
                       model=model, host="127.0.0.1", log_level="warning")
         pods = await serve(fleet.create_app(), fleet_port)
         await fleet.start()
+        router_port = free_port()  # after the pods' KV-transfer servers took theirs
         router = await serve(create_router_app(RouterSettings(
             redis_url=redis_url, registry_url=f"http://127.0.0.1:{reg_port}", model=model), processor), router_port)
         try:
