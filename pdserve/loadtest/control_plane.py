@@ -234,6 +234,8 @@ class Ensemble:
     routers: list[str]
     fleet_url: str
     counters: Counters
+    registry_url: str = ""
+    registry_token: str = ""
 
 
 @contextmanager
@@ -266,7 +268,7 @@ def ensemble(pods: int, routers: int, shards: int, step_s: float, model: str, he
             pids.append(proc.pid)
         counters = Counters({"router": pids, "registry": [registry.pid], "pods": [fleet.pid],
                              "clients": [os.getpid()]}, redis_ports)
-        yield Ensemble(urls, fleet_url, counters)
+        yield Ensemble(urls, fleet_url, counters, registry_url, token)
 
 
 def ramp(pods: int, batches: list[int], routers: int = 1, shards: int = 0, step_ms: float = 25.0,
