@@ -68,6 +68,7 @@ class LevelResult:
     cpu_us_per_token: dict[str, float] = field(default_factory=dict)
     cpu_ms_per_s: dict[str, float] = field(default_factory=dict)  # CPU-ms per wall second (1000 = one core)
     redis_commands_per_token: float = 0.0
+    shard_share: list[float] = field(default_factory=list)  # each Redis node's share of the commands
     loadavg: float = 0.0
 
 
@@ -155,12 +156,13 @@ class Counters:
         out = {}
         for role, ps in self.procs.items():
             out[role] = sum(t.user + t.system for t in (p.cpu_times() for p in ps))
-        cpu = calls = 0.0
-        for node in self.nodes:
+        cpu = 0.0
+        for i, node in enumerate(self.nodes):
             info = node.info("cpu")
             cpu += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-            calls += sum(v["calls"] for k, v in node.info("commandstats").items() if not k.startswith(SETUP_COMMANDS))
-        out["redis"], out["redis_calls"] = cpu, calls
+            out[f"calls_{i}"] = sum(v["calls"] for k, v in node.info("commandstats").items()
+                                    if not k.startswith(SETUP_COMMANDS))
+        out["redis"], out["redis_calls"] = cpu, sum(out[f"calls_{i}"] for i in range(len(self.nodes)))
         return out
 
 
@@ -193,8 +195,11 @@ def measure_level(routers: list[str], fleet_url: str, counters: Counters, model:
     res.added_p99_ms = res.itl_p99_ms - 1e3 * step_s
     res.step_late_p99_ms = stubs["step_late_p99_ms"]
     res.errors, res.first_error = seen.errors, seen.first_error
-    res.cpu_us_per_token = {k: round(1e6 * v / tokens, 1) for k, v in deltas.items() if k != "redis_calls"}
-    res.cpu_ms_per_s = {k: round(1e3 * v / seconds, 1) for k, v in deltas.items() if k != "redis_calls"}
+    cpu = {k: v for k, v in deltas.items() if k != "redis_calls" and not k.startswith("calls_")}
+    res.cpu_us_per_token = {k: round(1e6 * v / tokens, 1) for k, v in cpu.items()}
+    res.cpu_ms_per_s = {k: round(1e3 * v / seconds, 1) for k, v in cpu.items()}
+    shards = [v for k, v in sorted(deltas.items()) if k.startswith("calls_")]
+    res.shard_share = [round(c / max(sum(shards), 1), 3) for c in shards]
     res.redis_commands_per_token = deltas["redis_calls"] / tokens
     res.loadavg = os.getloadavg()[0]
     return res
@@ -299,10 +304,11 @@ def ramp(pods: int, batches: list[int], routers: int = 1, shards: int = 0, step_
 
 def format_level(r: LevelResult) -> str:
     cpu = "  ".join(f"{k} {v:.0f}" for k, v in r.cpu_us_per_token.items())
+    shares = f" (shards {' / '.join(f'{100 * x:.0f}%' for x in r.shard_share)})" if len(r.shard_share) > 1 else ""
     return (f"  N={r.pods:<4} batch {r.batch:<3} offered {r.offered_tok_s:>7.0f} tok/s  got {r.tok_s:>7.0f}  "
             f"ITL p50 {r.itl_p50_ms:5.1f} p99 {r.itl_p99_ms:5.1f} ms (added {r.added_p99_ms:+5.1f}; stub steps late "
             f"p99 {r.step_late_p99_ms:4.1f})  step->client p50 {r.delivery_p50_ms:5.1f} p99 {r.delivery_p99_ms:5.1f} ms  errors {r.errors}  µs/token: {cpu}  Redis cmds/token "
-            f"{r.redis_commands_per_token:.3f}  load {r.loadavg:.1f}")
+            f"{r.redis_commands_per_token:.3f}{shares}  load {r.loadavg:.1f}")
 
 
 def ceiling(levels: list[LevelResult]) -> LevelResult | None:
