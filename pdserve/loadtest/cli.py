@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chaos": ("pdserve.loadtest.chaos:command", "Run every fault scenario against fresh local ensembles."),
     "client-overhead": ("pdserve.loadtest.overhead:client_overhead_command",
                         "The request rate the client sustains against a mock server, and its added latency."),
+    "control-plane": ("pdserve.loadtest.control_plane:control_plane_command",
+                      "Stand-in decode pods through real Redis, routers and registry: the tokens/s ceiling, CPU/token."),
     "ensemble-cpu": ("pdserve.loadtest.ensemble_cpu:ensemble_cpu_command",
                      "CPU per generated token: offline engine vs `pdserve up` colocated and 1P+1D, in turns."),
     "kv-routing": ("pdserve.loadtest.kv_routing_bench:kv_routing_command",

@@ -5,7 +5,8 @@ Stand-in routers and decode pods drive the real Redis code paths against a local
 pod's own stream, read back with XREADGROUP and acknowledged), each pod writes one output event per running
 request per step through the workers' ``publish`` (one ``OutputBatch`` XADD per step per router on the router's
 relay stream), each router reads its relay stream through its ``RelayReader``, pods heartbeat into the registry's ``PodStore`` every 10 steps and
-routers refresh their liveness key. ``INFO commandstats`` of each shard is read before and after.
+routers refresh their liveness key. ``INFO commandstats`` of each shard is read before and after. With
+``--balanced`` the routers pick their ids as the router app does (``balanced_router_id``), one after the other.
 
     python -m pdserve.loadtest.cluster_spread --routers 8 --pods 16 --requests 64 --steps 40
 """
@@ -22,6 +23,7 @@ import click
 from pdserve.loadtest.redis_cluster import RedisClusterServers
 from pdserve.services.registry.store import PodStore
 from pdserve.services.router.relay_reader import RelayReader
+from pdserve.services.router.router_id import balanced_router_id
 from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.messages import OutputEvent
@@ -42,10 +44,22 @@ async def _queue(client, requests: list[tuple[str, str, str]]) -> None:
             await client.xack(name, group, *[entry_id for entry_id, _ in entries])
 
 
-async def _run(url: str, routers: int, pods: int, requests: int, steps: int, seed: int) -> None:
+async def _router_ids(client, routers: int, rng: random.Random, balanced: bool) -> list[str]:
+    """Random ids (seeded), or as routers pick theirs at start one after the other (``balanced_router_id``: each
+    sees the ones announced before it)."""
+    if not balanced:
+        return [uuid.UUID(int=rng.getrandbits(128)).hex for _ in range(routers)]
+    ids = []
+    for _ in range(routers):
+        ids.append(await balanced_router_id(client))
+        await client.set(keys.router_key(ids[-1]), b"1", ex=keys.ROUTER_TTL_S * 100)
+    return ids
+
+
+async def _run(url: str, routers: int, pods: int, requests: int, steps: int, seed: int, balanced: bool) -> None:
     rng = random.Random(seed)
     client = redis_client.connect(url)
-    router_ids = [uuid.UUID(int=rng.getrandbits(128)).hex for _ in range(routers)]
+    router_ids = await _router_ids(client, routers, rng, balanced)
     pod_ids = [f"decode-{i}" for i in range(pods)]
     work = [(keys.owned_request_id(f"cmpl-{i}", router_ids[i % routers]), router_ids[i % routers],
              pod_ids[i % pods]) for i in range(requests)]
@@ -74,14 +88,14 @@ async def _run(url: str, routers: int, pods: int, requests: int, steps: int, see
 
 
 def measure(routers: int = 8, pods: int = 16, requests: int = 64, steps: int = 40, shards: int = 3,
-            seed: int = 0) -> dict:
+            seed: int = 0, balanced: bool = False) -> dict:
     """Runs the load on a fresh local cluster; returns per-shard command counts and shares."""
     with RedisClusterServers(shards=shards) as cluster:
         cluster.reset_stats()
-        asyncio.run(_run(cluster.url, routers, pods, requests, steps, seed))
+        asyncio.run(_run(cluster.url, routers, pods, requests, steps, seed, balanced))
         calls = cluster.commandstats()
     total = sum(calls)
-    return {"routers": routers, "pods": pods, "requests": requests, "steps": steps, "shard_commands": calls,
+    return {"routers": routers, "balanced": balanced, "pods": pods, "requests": requests, "steps": steps, "shard_commands": calls,
             "shard_share": [round(c / total, 3) for c in calls], "max_share": round(max(calls) / total, 3)}
 
 
@@ -92,6 +106,8 @@ def measure(routers: int = 8, pods: int = 16, requests: int = 64, steps: int = 4
 @click.option("--steps", default=40, show_default=True, help="Decode steps (one output event per request each).")
 @click.option("--shards", default=3, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Seeds the router ids (their slots).")
+@click.option("--balanced", is_flag=True, help="Router ids as routers pick them (router_id.balanced_router_id), "
+              "not random.")
 def main(**kw) -> None:
     print(json.dumps(measure(**kw)))
 

@@ -38,6 +38,7 @@ from .relay_reader import RelayReader
 from .pod_probe import probe_client
 from .params import generation_defaults
 from .prompts import PromptProcessor, read_chat_template
+from .router_id import balanced_router_id
 from .routes import router as routes
 from .serving import CompletionService, RouterState
 from .settings import RouterSettings
@@ -72,9 +73,10 @@ async def announce(redis: Redis, router_id: str) -> None:
 
 
 def start_services(app: FastAPI, settings: RouterSettings, processor: PromptProcessor, redis: Redis,
-                   directory: PodDirectory) -> RouterState:
-    """Build the dispatcher and the services over ``redis`` and ``directory``; put them on ``app.state``."""
-    metrics, router_id = app.state.metrics, uuid.uuid4().hex
+                   directory: PodDirectory, router_id: str | None = None) -> RouterState:
+    """Build the dispatcher and the services over ``redis`` and ``directory``; put them on ``app.state``.
+    ``router_id``: this incarnation's id (default: a random one)."""
+    metrics, router_id = app.state.metrics, router_id or uuid.uuid4().hex
     dispatcher = Dispatcher(redis, directory, DispatchConfig.from_settings(settings), metrics, router_id=router_id)
     admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                           settings.max_queued_prompt_tokens, settings.retry_after_s)
@@ -120,7 +122,12 @@ def create_app(settings: RouterSettings | None = None, processor: PromptProcesso
         if directory is None:
             from pdserve.shared.registry_client import RegistryClient
             owned = RegistryClient(settings.registry_url, token=settings.registry_token)
-        state = start_services(app, settings, processor, redis, directory or owned)
+        try:
+            router_id = await balanced_router_id(redis)
+        except RedisError as exc:  # Redis not up yet: a random id serves as well, only spread by chance
+            logger.warning("could not read the live routers (%s): taking a random router id", exc)
+            router_id = None
+        state = start_services(app, settings, processor, redis, directory or owned, router_id)
         alive = asyncio.create_task(announce(redis, state.router_id))
         logger.info("router serving %s (max_model_len %d), redis %s, registry %s", settings.served_name,
                     processor.max_model_len, keys.redact_url(settings.redis_url), settings.registry_url)

@@ -109,7 +109,7 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         if self.settings.num_threads:  # process-wide: the engine thread's ops use it too
             torch.set_num_threads(self.settings.num_threads)
-        self.engine = await asyncio.to_thread(LLMEngine, self.settings.engine_config())
+        self.engine = await asyncio.to_thread(self.build_engine)
         self.on_engine_built()
         if tracing.enabled():  # prefill chunks and preemptions become spans and events (step_spans.py)
             self.engine.step_log = StepLog()
@@ -142,6 +142,11 @@ class Worker:
         self.heartbeater.start()
         self.ready = True
         logger.info("%s worker %s ready", self.role, self.settings.pod_id)
+
+    def build_engine(self) -> LLMEngine:
+        """The engine this worker serves (called on a thread at start); the control-plane bench's stand-in pods
+        return a stub here (``pdserve/loadtest/stub_engine.py``)."""
+        return LLMEngine(self.settings.engine_config())
 
     async def start_role(self) -> None:
         """Role-specific tasks (queue consumers, the KV-transfer server)."""
