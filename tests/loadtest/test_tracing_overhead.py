@@ -1,5 +1,6 @@
 """``pdserve bench tracing-overhead``: the turn order, the ensemble's OpenTelemetry variables, the summary's
-arithmetic, and the OTLP sink counting real exported spans (the full command needs `pdserve up`: README figures)."""
+arithmetic, and the OTLP sink counting real exported spans (the full command needs `pdserve up`: its figures are
+in pdserve/loadtest/README.md "Tracing overhead")."""
 
 from __future__ import annotations
 
