@@ -112,7 +112,8 @@ class Cluster:
 
     def _start_process(self) -> None:
         self.registry_token = secrets.token_hex(16)
-        password = secrets.token_hex(16)  # up's Redis requires one; chosen here to reach it
+        # up's Redis requires a password; chosen here (or by the caller) to reach it
+        password = self.env.get("PDSERVE_REDIS_PASSWORD") or secrets.token_hex(16)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_REGISTRY_TOKEN": self.registry_token,
                "PDSERVE_REDIS_PASSWORD": password, **self.env}
         if self.pythonpath:
