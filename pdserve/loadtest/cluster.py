@@ -212,7 +212,8 @@ class Cluster:
         PDSERVE_POD_ID is that), or None while there is none (e.g. between a kill and the restart)."""
         if not self.process:
             return next((c.proc.pid for c in self.children if c.exited() is None and c.proc is not None
-                         and c.argv[c.argv.index("pdserve.services.cli") + 1:][:1] == [service]
+                         and "pdserve.services.cli" in c.argv
+                         and c.argv[c.argv.index("pdserve.services.cli") + 1] == service
                          and (pod_id is None or c.env.get("PDSERVE_POD_ID") == pod_id)), None)
 
         def match(argv: list[str], environ: Callable[[], dict]) -> bool:
