@@ -258,7 +258,8 @@ def command(n: int, storm: int, overload_n: int, max_queued: int, max_queued_tok
     detail, ten_x_ok = "", True
     if ten_x_s > 0 and "10x" in rows:
         from pdserve.loadtest import overload as ov
-        with Cluster(1, 1, ov.limits_env(max_queued, max_queued_tokens), log_dir=log_dir / "overload") as cluster:
+        with Cluster("--prefill", "1", "--decode", "1",
+                     env=ov.limits_env(max_queued, max_queued_tokens), log_dir=log_dir / "overload") as cluster:
             result = ov.run(cluster, clients=max_queued, duration_s=ten_x_s, max_tokens=max_tokens,
                             echo=lambda m: click.echo(m, err=True))
         tallies.append(ov.tally(result, max_queued))
@@ -277,7 +278,7 @@ def classic(n: int, storm: int, overload_n: int, max_queued: int, max_tokens: in
     env = {"PDSERVE_CLAIM_IDLE_S": "3", "PDSERVE_POD_TTL_S": "8", "PDSERVE_MIGRATION_STALL_S": "1",
            "PDSERVE_DTYPE": "float32"}
     tallies: list[Tally] = []
-    with Cluster(2, 2, env, log_dir=log_dir / "pods") as cluster:
+    with Cluster("--prefill", "2", "--decode", "2", env=env, log_dir=log_dir / "pods") as cluster:
         click.echo(f"ensemble up (logs in {cluster.log_dir})", err=True)
         probe = faults.Probe.of(cluster)
         base = faults.snapshot(probe)
@@ -295,7 +296,8 @@ def classic(n: int, storm: int, overload_n: int, max_queued: int, max_tokens: in
     try:
         env2 = {"PDSERVE_POD_TTL_S": "10", "PDSERVE_DTYPE": "float32",
                 "PDSERVE_MAX_QUEUED_REQUESTS": str(max_queued)}
-        with Cluster(1, 1, env2, redis_url=server.url, log_dir=log_dir / "redis") as cluster:
+        with Cluster("--prefill", "1", "--decode", "1", "--redis-url", server.url,
+                     env=env2, log_dir=log_dir / "redis") as cluster:
             tally = asyncio.run(overload(cluster.router_url, overload_n, max_tokens))
             tally.scenario = f"overload ({overload_n} at once, max {max_queued} queued)"
             tallies.append(tally)

@@ -114,13 +114,12 @@ def worker_stats(root: int) -> dict[str, dict]:
 
 def run_ensemble(mode: str, model: str, dtype: str, kv: str, pin: bool, up_args: tuple[str, ...],
                  prompts: list[list[int]], outputs: list[int], timeout_s: float) -> dict:
-    from pdserve.loadtest.procs import free_port, running
+    from pdserve.loadtest.cluster import Cluster
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model, "--dtype", dtype,
-           "--kv-cache-memory", kv, *MODES[mode], *(pin_args(mode) if pin else []), *up_args]
-    url = f"http://127.0.0.1:{port}"
-    with running(cmd, url + "/health", timeout_s=timeout_s, serving_model=model) as proc:
+    with Cluster("--model", model, "--dtype", dtype, "--kv-cache-memory", kv, *MODES[mode],
+                 *(pin_args(mode) if pin else []), *up_args, timeout_s=timeout_s, process=True,
+                 serving_model=model) as cluster:
+        url, proc = cluster.router_url, cluster.proc
         # warm-up (first steps, connections) on prompts the measured load does not contain: the workload's own would
         # be in the prefix cache when it runs
         asyncio.run(send_all(url, model, [p[::-1] for p in prompts[:4]], [4] * 4))

@@ -1,6 +1,7 @@
-"""The kit that the fault benchmarks share (``chaos``, ``faults``, ``overload``): a local ensemble started child by
-child (``Cluster``), a client that records what each request got (``completion``, ``Outcome``), and the tally of a
-scenario (``Tally``, ``table``). It imports none of them, so they depend on it and never on each other
+"""The kit that the fault benchmarks share (``chaos``, ``faults``, ``overload``): the local ensemble
+(``cluster.Cluster``, re-exported here) and what finished requests may not leave in it (``leftovers``), a client
+that records what each request got (``completion``, ``Outcome``), and the tally of a scenario (``Tally``,
+``table``). It imports none of them, so they depend on it and never on each other
 (pyproject.toml's import-linter contract "loadtest: the fault benchmarks share faultkit").
 """
 
@@ -8,119 +9,19 @@ from __future__ import annotations
 
 import json
 import random
-import signal
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 import redis as redis_sync
 
+from pdserve.loadtest.cluster import Cluster as Cluster
+from pdserve.loadtest.cluster import wait_for as wait_for
 from pdserve.loadtest.sse import StrictSSE
-from pdserve.services import up
-from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 
 MODEL = "smollm2-135m-instruct"
-
-
-# ---- the ensemble ------------------------------------------------------------------------------------------
-
-
-class Cluster:
-    """The children of ``pdserve up`` (``services.up.plan``), started and faulted one by one.
-
-    ``env``: extra ``PDSERVE_*`` settings for every child (e.g. ``PDSERVE_CLAIM_IDLE_S``); ``child_env``: more
-    for one child by name (``{"decode-0": {"PDSERVE_KV_CACHE_MEMORY": "48MiB"}}``). ``redis_url``: use this Redis
-    (a test's ``RedisServer``) instead of starting one.
-    """
-
-    def __init__(self, num_prefill: int = 1, num_decode: int = 1, env: dict[str, str] | None = None,
-                 redis_url: str | None = None, log_dir: Path | None = None, startup_timeout_s: float = 600.0,
-                 child_env: dict[str, dict[str, str]] | None = None) -> None:
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
-        self.opts = up.UpOptions(num_prefill=num_prefill, num_decode=num_decode, port=up.free_port(),
-                                 redis_url=redis_url, log_dir=self.log_dir, engine=dict(env or {}),
-                                 startup_timeout_s=startup_timeout_s)
-        self.child_env = dict(child_env or {})
-        self.children: list[up.Child] = []
-        self.ensemble: up.Ensemble | None = None
-
-    def __enter__(self) -> Cluster:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.children = up.plan(self.opts, self.log_dir)
-        for child in self.children:
-            child.env.update(self.child_env.get(child.name, {}))
-        self.ensemble = up.Ensemble(self.children, echo=lambda *a, **k: None)
-        try:
-            self.ensemble.start(self.opts.startup_timeout_s)
-        except BaseException:
-            self.ensemble.stop(10)
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.ensemble is not None:
-            for child in self.children:
-                child.signal_group(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
-            self.ensemble.stop(10)
-
-    @property
-    def router_url(self) -> str:
-        return f"http://127.0.0.1:{self.opts.port}"
-
-    @property
-    def redis_url(self) -> str:
-        return up.external_redis_url(self.opts) or next(c.redis_url for c in self.children if c.name == "redis")
-
-    @property
-    def registry_url(self) -> str:
-        return self.child("registry").health_url.removesuffix("/health")
-
-    def child(self, name: str) -> up.Child:
-        return next(c for c in self.children if c.name == name)
-
-    def names(self, role: str) -> list[str]:
-        return [c.name for c in self.children if c.name.startswith(role + "-") and c.exited() is None]
-
-    def kill(self, name: str) -> None:
-        """SIGKILL: no shutdown code runs (a node loss, an OOM kill)."""
-        child = self.child(name)
-        child.signal_group(signal.SIGKILL)
-        child.proc.wait(30)
-
-    def pause(self, *names: str) -> None:
-        for name in names:
-            self.child(name).signal_group(signal.SIGSTOP)
-
-    def resume(self, *names: str) -> None:
-        for name in names:
-            self.child(name).signal_group(signal.SIGCONT)
-
-    def stats(self, name: str) -> dict[str, Any]:
-        url = self.child(name).health_url.removesuffix("/health") + "/v1/stats"
-        return httpx.get(url, timeout=10).json()
-
-    def log(self, name: str) -> str:
-        return self.child(name).log_path.read_text(errors="replace")
-
-    def extra_router(self, env: dict[str, str]) -> up.Child:
-        """Start one more router on the same Redis and registry with other settings (``env``); ready on return.
-        It is stopped with the cluster."""
-        base = self.child("router")
-        port = up.free_port()
-        child = up.Child(f"router-{port}", base.argv, {**base.env, "PDSERVE_PORT": str(port), **env},
-                         self.log_dir / f"router-{port}.log", health_url=f"http://127.0.0.1:{port}/health")
-        self.children.append(child)
-        child.start()
-        if not wait_for(child.ready, 120, 0.2):
-            raise RuntimeError(f"extra router not ready:\n{child.tail()}")
-        return child
-
-    def redis(self) -> redis_sync.Redis:
-        return redis_client.connect(self.redis_url, sync=True, socket_timeout=5)
 
 
 def leftovers(cluster: Cluster) -> dict[str, Any]:
@@ -144,15 +45,6 @@ def leftovers(cluster: Cluster) -> dict[str, Any]:
         s = cluster.stats(name)
         prefill[name] = {k: s.get(k) for k in ("num_running", "num_waiting", "requests_tracked")}
     return {"output_streams": out_streams, "pending": pending, "decode": decode, "prefill": prefill}
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 # ---- the client ----------------------------------------------------------------------------------------------

@@ -19,11 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +31,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.loadtest import faultkit
 from pdserve.loadtest.faultkit import Cluster, Outcome, Tally, completion, prompts, wait_for
-from pdserve.services import up
 from pdserve.shared import redis_client
 from pdserve.shared.protocol import keys
 
@@ -55,8 +50,8 @@ class Probe:
 
     @classmethod
     def of(cls, cluster: Cluster) -> Probe:
-        pods = {c.name: c.health_url.removesuffix("/health") for c in cluster.children if c.is_worker}
-        routers = [c.health_url.removesuffix("/health") for c in cluster.children if c.name.startswith("router")]
+        pods = {name: url for name, url in cluster.urls.items() if name.startswith(("prefill-", "decode-"))}
+        routers = [url for name, url in cluster.urls.items() if name.startswith("router")]
         return cls(cluster.redis_url, pods, routers)
 
 
@@ -475,83 +470,7 @@ async def prompt_list(url: str, max_queued: int, lists: tuple[int, ...] = (100, 
 # ---- item 8: the registry and the router killed under `pdserve up` --------------------------------------------
 
 
-class UpProcess:
-    """``pdserve up`` itself as a subprocess (its supervision is what item 8 tests); ``pid_of(name)`` finds a
-    child's process by its command line (``services.cli registry`` / ``router``), among ``up``'s own children."""
-
-    def __init__(self, log_dir: Path, env: dict[str, str], *args: str, timeout_s: float = 600.0) -> None:
-        self.log_dir, self.env, self.args, self.timeout_s = Path(log_dir), env, list(args), timeout_s
-        self.port = up.free_port()
-        self.token = os.urandom(16).hex()
-        self.proc: subprocess.Popen | None = None
-        self.seen: set[int] = set()  # every child pid, to clean up after
-
-    @property
-    def out(self) -> str:
-        return (self.log_dir / "up.out").read_text(errors="replace")
-
-    def __enter__(self) -> UpProcess:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / "up.out", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(self.port), "--log-dir",
-             str(self.log_dir), *self.args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PDSERVE_REGISTRY_TOKEN": self.token, **self.env})
-        log.close()
-        try:
-            if not wait_for(lambda: "Press Ctrl-C to stop." in self.out or self.proc.poll() is not None,
-                            self.timeout_s, 0.5) or self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up did not start:\n{self.out[-3000:]}")
-        except BaseException:
-            self.__exit__()
-            raise
-        text = self.out
-        self.router_url = f"http://127.0.0.1:{self.port}"
-        self.registry_url = re.search(r"registry\s+(http://\S+)", text).group(1)
-        self.redis_url = re.search(r"redis\s+(redis://\S+)", text).group(1)
-        self.pods = dict(re.findall(r"^\s+((?:prefill|decode)-\d+)\s+(http://\S+)", text, re.M))
-        return self
-
-    def probe(self) -> Probe:
-        return Probe(self.redis_url, dict(self.pods), [self.router_url])
-
-    def pid_of(self, service: str) -> int | None:
-        import psutil
-        try:
-            for child in psutil.Process(self.proc.pid).children():
-                self.seen.add(child.pid)
-                argv = child.cmdline()
-                if "pdserve.services.cli" in argv and service in argv:
-                    return child.pid
-        except psutil.Error:
-            pass
-        return None
-
-    def kill(self, service: str) -> int | None:
-        pid = self.pid_of(service)
-        if pid is not None:
-            os.killpg(pid, signal.SIGKILL)  # each child leads its own process group
-        return pid
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is None:
-            return
-        self.pid_of("")  # note every child still there
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        for pid in self.seen:  # whatever `up` left behind
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-async def up_restarts(ens: UpProcess, n: int, max_tokens: int = 32, bound_s: float = 90.0,
+async def up_restarts(ens: Cluster, n: int, max_tokens: int = 32, bound_s: float = 90.0,
                       restart_timeout_s: float = 60.0) -> Tally:
     """Under ``pdserve up``: SIGKILL the registry while ``n`` streams are in flight, then ``n`` more requests once
     it answers again; then SIGKILL the router while ``n`` streams are in flight (their connections close with it:
@@ -576,10 +495,11 @@ async def up_restarts(ens: UpProcess, n: int, max_tokens: int = 32, bound_s: flo
     async with client(2 * n, bound_s) as c:
         # the registry
         tasks = await streams(c, texts[:n], long=False)
-        old = ens.kill("registry")
+        old = ens.pid("registry")
+        ens.kill("registry")
         await asyncio.sleep(0.5)
         back = await wait_ready(registry_health, restart_timeout_s)
-        new_pid = ens.pid_of("registry")
+        new_pid = ens.pid("registry")
         outcomes += await asyncio.gather(*tasks)
         if back is None or new_pid in (None, old):
             failures.append("registry not restarted")
@@ -588,7 +508,8 @@ async def up_restarts(ens: UpProcess, n: int, max_tokens: int = 32, bound_s: flo
                                            for p in texts[n:2 * n]])
         # the router
         tasks = await streams(c, texts[2 * n:3 * n], long=True)
-        old = ens.kill("router")
+        old = ens.pid("router")
+        ens.kill("router")
         cut = await asyncio.gather(*tasks)
         for o in cut:  # a stream whose connection closed with the router: the client sees it at once
             if o.kind == "lost" and o.status == 200 and o.exception and \
@@ -597,7 +518,7 @@ async def up_restarts(ens: UpProcess, n: int, max_tokens: int = 32, bound_s: flo
                 o.exception, o.done = None, True
         outcomes += cut
         back = await wait_ready(ens.router_url + "/health", restart_timeout_s)
-        if back is None or ens.pid_of("router") in (None, old):
+        if back is None or ens.pid("router") in (None, old):
             failures.append("router not restarted")
         notes.append(f"router back {_seconds(back, restart_timeout_s)}")
         outcomes += await asyncio.gather(*[bounded(completion(c, ens.router_url, p, max_tokens), bound_s)
@@ -643,7 +564,8 @@ def run(items: set[str], n: int, log_dir: Path, echo: Callable[[str], None], bou
     # row 7: a grace long enough for its streams (the router's default, 30 s, spelled out: this row depends on it)
     small = {"decode-0": {"PDSERVE_KV_CACHE_MEMORY": kv_cache_memory}, "router": {"PDSERVE_SHUTDOWN_GRACE_S": "30"}}
     if items & {"1", "7", "9", "10", "11"}:
-        with Cluster(1, 1, env, log_dir=log_dir / "faults", child_env=small) as cluster:
+        with Cluster("--prefill", "1", "--decode", "1",
+                     env=env, log_dir=log_dir / "faults", child_env=small) as cluster:
             echo(f"fault rows: ensemble up (logs in {cluster.log_dir})")
             probe = lambda: Probe.of(cluster)  # noqa: E731 - routers may be added or restarted
             rows: list[tuple[str, Callable[[], Awaitable[Tally]]]] = [
@@ -661,16 +583,16 @@ def run(items: set[str], n: int, log_dir: Path, echo: Callable[[str], None], bou
                 tallies.append(measured(probe, "11", lambda: prompt_list(url, max_queued, bound_s=bound_s / 1.5),
                                         settle_s, echo))
     if "6" in items:
-        with Cluster(1, 1, env, log_dir=log_dir / "redis-loss") as cluster:
+        with Cluster("--prefill", "1", "--decode", "1", env=env, log_dir=log_dir / "redis-loss") as cluster:
             echo(f"fault rows: Redis-loss ensemble up (logs in {cluster.log_dir})")
             for how in ("flushall", "kill"):
                 tallies.append(measured(lambda: Probe.of(cluster), "6",
                                         lambda: redis_data_loss(cluster, n, how, bound_s=bound_s / 1.5),
                                         settle_s, echo))
     if "8" in items:
-        with UpProcess(log_dir / "up", env) as ens:
+        with Cluster(env=env, log_dir=log_dir / "up", process=True) as ens:  # up's own supervision
             echo(f"fault rows: pdserve up started (logs in {ens.log_dir})")
             # the output streams of the requests cut with the router have no reader left: they expire (TTL)
-            tallies.append(measured(ens.probe, "8", lambda: up_restarts(ens, n, bound_s=bound_s),
+            tallies.append(measured(lambda: Probe.of(ens), "8", lambda: up_restarts(ens, n, bound_s=bound_s),
                                     max(settle_s, keys.OUTPUT_TTL_S + 10), echo))
     return tallies

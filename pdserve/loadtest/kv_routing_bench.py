@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import secrets
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,8 +26,7 @@ from pathlib import Path
 import click
 import httpx
 
-from pdserve.loadtest.errors import LoadTestError
-from pdserve.loadtest.procs import free_port, stop, wait_healthy, wait_serving
+from pdserve.loadtest.cluster import Cluster
 from pdserve.loadtest.sse import aread_chunks
 
 MODEL = "smollm2-135m-instruct"
@@ -127,42 +122,6 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-class Up:
-    """``pdserve up`` in its own process group, its output in a log we read the URLs from."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, timeout_s: float) -> None:
-        self.port = free_port()
-        self.log = log_dir / "up.out"
-        self.cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(self.port), "--log-dir",
-                    str(log_dir), *args]
-        self.registry_token = secrets.token_hex(16)  # the registry's bearer token for this run
-        self.env = {**os.environ, "PDSERVE_REGISTRY_TOKEN": self.registry_token, **env}
-        self.timeout_s = timeout_s
-
-    def __enter__(self) -> Up:
-        self.out = open(self.log, "w+")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        self.router_url = f"http://127.0.0.1:{self.port}"
-        try:
-            wait_healthy(f"{self.router_url}/health", self.proc, str(self.log), self.timeout_s)
-            deadline = time.monotonic() + self.timeout_s
-            while "Press Ctrl-C to stop." not in self.log.read_text():
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise LoadTestError(f"pdserve up did not come up: {self.log.read_text()[-2000:]}")
-                time.sleep(0.5)
-            self.registry_url = re.search(r"registry\s+(http://\S+)", self.log.read_text()).group(1)
-            wait_serving(self.router_url, MODEL, self.proc, str(self.log), self.timeout_s)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        stop(self.proc)
-        self.out.close()
-
-
 async def workload(router_url: str, users: int, turns: int, system: str, max_tokens: int, interval_s: float) -> Run:
     run = Run()
     start = time.perf_counter()
@@ -178,7 +137,8 @@ def measure(mode: str, args: list[str], users: int, turns: int, system: str, max
     with tempfile.TemporaryDirectory(prefix=f"pdserve-kvbench-{mode}-") as tmp:
         logs = Path(tmp) if log_dir is None else log_dir / mode
         logs.mkdir(parents=True, exist_ok=True)
-        with Up(args, {"PDSERVE_ROUTING_MODE": mode}, logs, timeout_s) as up:
+        with Cluster(*args, env={"PDSERVE_ROUTING_MODE": mode}, log_dir=logs, timeout_s=timeout_s, process=True,
+                     serving_model=MODEL) as up:
             time.sleep(2.0)  # the warm-up request's block events reach the registry
             before = counters(up.router_url, up.registry_url, up.registry_token)
             run = asyncio.run(workload(up.router_url, users, turns, system, max_tokens, interval_s))

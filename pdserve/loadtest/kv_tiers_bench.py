@@ -28,7 +28,8 @@ from pathlib import Path
 import click
 import httpx
 
-from pdserve.loadtest.kv_routing_bench import MODEL, Up, pct, system_prompt, user_message
+from pdserve.loadtest.cluster import Cluster
+from pdserve.loadtest.kv_routing_bench import MODEL, pct, system_prompt, user_message
 from pdserve.loadtest.sse import aread_chunks
 
 MODES = ("none", "cpu", "cpu+disk", "unlimited")
@@ -89,7 +90,7 @@ async def workload(router_url: str, sessions: int, turns: int, system: str, max_
     return out
 
 
-def pod_stats(up: Up) -> dict:
+def pod_stats(up: Cluster) -> dict:
     """``STAT_KEYS`` summed over the worker pods (their ``/v1/stats``)."""
     pods = httpx.get(f"{up.registry_url}/v1/pods", headers={"Authorization": f"Bearer {up.registry_token}"},
                      timeout=10).json()["pods"]
@@ -105,7 +106,8 @@ def measure(mode: str, base: list[str], mode_flags: list[str], sessions: int, tu
             max_tokens: int, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"pdserve-tiers-{mode.replace('+', '-')}-") as tmp:
         flags = [f.replace("{tmp}", tmp) for f in mode_flags]
-        with Up(base + flags, {}, Path(tmp), timeout_s) as up:
+        with Cluster(*base, *flags, log_dir=Path(tmp), timeout_s=timeout_s, process=True,
+                     serving_model=MODEL) as up:
             start = pod_stats(up)
             run = asyncio.run(workload(up.router_url, sessions, turns, system, max_tokens,
                                        lambda: asyncio.to_thread(pod_stats, up)))

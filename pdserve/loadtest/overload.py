@@ -463,7 +463,8 @@ def command(clients: int, measure_s: float, duration_s: float, factor: float, ma
             max_queued_tokens: int, max_tokens: int, words: int, log_dir: Path | None) -> None:
     """Measure the sustainable rate, offer 10x it open-loop against admission limits, print what happened."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-overload-"))
-    with faultkit.Cluster(1, 1, limits_env(max_queued, max_queued_tokens), log_dir=log_dir) as cluster:
+    with faultkit.Cluster("--prefill", "1", "--decode", "1",
+                          env=limits_env(max_queued, max_queued_tokens), log_dir=log_dir) as cluster:
         click.echo(f"ensemble up (logs in {cluster.log_dir}); load average {os.getloadavg()[0]:.2f}", err=True)
         result = run(cluster, clients=clients, measure_s=measure_s, duration_s=duration_s, factor=factor,
                      max_tokens=max_tokens, words=words, echo=lambda m: click.echo(m, err=True))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import shlex
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -128,6 +127,7 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
                             up_args, pin, launches, up_timeout, save_result, disable_tqdm) -> None:
     """Same workload against `pdserve up` disaggregated (1 prefill + 1 decode) and colocated; one table."""
     from pdserve.loadtest.benchmark import BenchOptions, prepare, run_prepared, run_sync, validate
+    from pdserve.loadtest.cluster import up_argv
     from pdserve.loadtest.client import ClientConfig
     from pdserve.loadtest.datasets import DatasetSpec
     from pdserve.loadtest.procs import free_port, running
@@ -167,8 +167,8 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
             if mode in custom:
                 cmd = [a.format(port=port, model=model) for a in shlex.split(custom[mode])]
             else:
-                cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model,
-                       *MODES[mode], *(pin_args(mode) if pin else []), *up_args]
+                cmd = up_argv("--port", str(port), "--model", model, *MODES[mode], *(pin_args(mode) if pin else []),
+                              *up_args)
             click.echo(f"[{mode}] starting: {shlex.join(cmd)}", err=True)
             with running(cmd, url + "/health", timeout_s=up_timeout, serving_model=model):
                 opts = replace(base, client=replace(base.client, base_url=url), label=mode)

@@ -95,8 +95,9 @@ def parse_servers(values: tuple[str, ...]) -> list[Server]:
 
 def server_command(server: Server, port: int, model: str, model_dir: str, up_args: tuple[str, ...]) -> list[str]:
     if server.kind == "pdserve":
-        return [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model,
-                *MODES[server.spec], *up_args]
+        from pdserve.loadtest.cluster import up_argv
+
+        return up_argv("--port", str(port), "--model", model, *MODES[server.spec], *up_args)
     fields = {"port": port, "model": model, "model_dir": model_dir, "python": sys.executable}
     try:
         return [a.format(**fields) for a in shlex.split(server.spec)]

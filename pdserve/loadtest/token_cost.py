@@ -22,7 +22,6 @@ import os
 import random
 import re
 import secrets
-import sys
 import time
 from urllib.parse import quote
 
@@ -78,15 +77,12 @@ def redis_port(root: int) -> int:
 
 def run_turn(tree: str | None, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
              up_args: tuple[str, ...], timeout_s: float) -> dict:
-    from pdserve.loadtest.procs import free_port, running
+    from pdserve.loadtest.cluster import Cluster
 
-    port, password = free_port(), secrets.token_hex(16)
-    env = {"PDSERVE_REDIS_PASSWORD": password}
-    if tree:
-        env["PYTHONPATH"] = os.path.abspath(tree)
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", model, *up_args]
-    url = f"http://127.0.0.1:{port}"
-    with running(cmd, url + "/health", timeout_s=timeout_s, env=env, serving_model=model) as proc:
+    password = secrets.token_hex(16)
+    with Cluster("--model", model, *up_args, env={"PDSERVE_REDIS_PASSWORD": password}, timeout_s=timeout_s,
+                 process=True, pythonpath=tree, serving_model=model) as cluster:
+        url, proc = cluster.router_url, cluster.proc
         client = redis_sync.Redis.from_url(f"redis://:{quote(password)}@127.0.0.1:{redis_port(proc.pid)}/0")
         asyncio.run(send(url, model, [p[::-1] for p in prompts[:4]], 4, 4))  # warm-up
         before_cpu, (before_calls, before_redis) = tree_cpu(proc.pid), redis_counters(client)

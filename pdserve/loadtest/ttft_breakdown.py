@@ -16,16 +16,14 @@ histograms (``/metrics``) and prints the mean of each stage next to the client's
 from __future__ import annotations
 
 import random
-import secrets
 import statistics
-import sys
 import time
 
 import click
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.loadtest.procs import free_port, running
+from pdserve.loadtest.cluster import Cluster
 from pdserve.loadtest.sse import read_chunks
 
 STAGES = [
@@ -55,13 +53,9 @@ def _histogram_mean(metrics_text: str, name: str) -> tuple[float, int]:
 def ttft_breakdown_command(prompt_tokens: int, num_requests: int, dtype: str, model: str) -> None:
     """TTFT of a disaggregated request split into queue wait, prefill, KV transfer, first decode step."""
     rng = random.Random(0)
-    port, registry_port = free_port(), free_port()
-    router_url, registry_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{registry_port}"
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--registry-port",
-           str(registry_port), "--prefill", "1", "--decode", "1", "--dtype", dtype, "--model", model]
-    token = secrets.token_hex(16)  # the registry's bearer token for this run
-    with running(cmd, f"{router_url}/health", timeout_s=600, env={"PDSERVE_REGISTRY_TOKEN": token},
-                 serving_model=model):
+    with Cluster("--prefill", "1", "--decode", "1", "--dtype", dtype, "--model", model, timeout_s=600,
+                 process=True, serving_model=model) as cluster:
+        router_url = cluster.router_url
         client_ttft = []
         with httpx.Client(timeout=300) as http:
             for _ in range(num_requests + 1):  # the first one warms up and is left out
@@ -76,9 +70,7 @@ def ttft_breakdown_command(prompt_tokens: int, num_requests: int, dtype: str, mo
                         if first is None:
                             first = time.perf_counter() - start
                 client_ttft.append(first)
-        pods = {role: httpx.get(f"{registry_url}/v1/pods", params={"role": role},
-                                headers={"Authorization": f"Bearer {token}"}, timeout=10).json()["pods"][0]
-                for role in ("prefill", "decode")}
+        pods = {role: cluster.pods(role)[0] for role in ("prefill", "decode")}
         texts = {role: httpx.get(f"http://{p['host']}:{p['http_port']}/metrics", timeout=10).text
                  for role, p in pods.items()}
     click.echo(f"\nTTFT breakdown, {prompt_tokens}-token prompts, {num_requests} requests one at a time, {dtype}, "

@@ -638,12 +638,23 @@ def run(opts: UpOptions) -> int:
               help="Start a child (Redis too) that exits again (back-off 1..30 s); off: its exit stops all.")
 def command(**flags) -> None:
     """Start Redis, registry, router, prefill and decode workers locally; Ctrl-C stops them all."""
-    engine = {}
+    sys.exit(run(options(flags)))
+
+
+def options(flags: dict) -> UpOptions:
+    """``command``'s parsed flags -> the options; the forwarded settings become ``PDSERVE_*`` variables."""
+    flags, engine = dict(flags), {}
     for name, env in ENGINE_FLAGS.items():
         value = flags.pop(name)
         if name == "chat_template" and value is not None:
             value = Path(value).resolve()  # the router reads it, whatever its working directory
         if value is not None:
             engine[env] = ("true" if value else "false") if isinstance(value, bool) else str(value)
-    opts = UpOptions(engine=engine, **flags)
-    sys.exit(run(opts))
+    return UpOptions(engine=engine, **flags)
+
+
+def parse(args: list[str]) -> UpOptions:
+    """The options of ``pdserve up ARGS``, parsed by the command itself (an in-process ensemble takes the flags the
+    command line takes)."""
+    with command.make_context("up", list(args)) as ctx:
+        return options(ctx.params)

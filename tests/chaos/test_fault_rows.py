@@ -24,7 +24,8 @@ ENV = {"PDSERVE_DTYPE": "float32", "PDSERVE_POD_TTL_S": "10"}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with faultkit.Cluster(1, 1, ENV, log_dir=tmp_path_factory.mktemp("fault_rows")) as c:
+    with faultkit.Cluster("--prefill", "1", "--decode", "1",
+                          env=ENV, log_dir=tmp_path_factory.mktemp("fault_rows")) as c:
         yield c
 
 

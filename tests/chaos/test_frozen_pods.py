@@ -35,7 +35,7 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with chaos.Cluster(1, 1, ENV, log_dir=tmp_path_factory.mktemp("frozen")) as c:
+    with chaos.Cluster("--prefill", "1", "--decode", "1", env=ENV, log_dir=tmp_path_factory.mktemp("frozen")) as c:
         yield c
 
 

@@ -24,7 +24,7 @@ MAX_QUEUED = 4
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     env = {**overload.limits_env(MAX_QUEUED, 256), "PDSERVE_POD_TTL_S": "30"}  # pods stopped for a while stay listed
-    with faultkit.Cluster(1, 1, env, log_dir=tmp_path_factory.mktemp("ten_x")) as c:
+    with faultkit.Cluster("--prefill", "1", "--decode", "1", env=env, log_dir=tmp_path_factory.mktemp("ten_x")) as c:
         yield c
 
 

@@ -30,7 +30,7 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with faultkit.Cluster(2, 2, ENV, log_dir=tmp_path_factory.mktemp("chaos")) as c:
+    with faultkit.Cluster("--prefill", "2", "--decode", "2", env=ENV, log_dir=tmp_path_factory.mktemp("chaos")) as c:
         yield c
 
 

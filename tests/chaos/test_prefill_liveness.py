@@ -38,7 +38,8 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def cluster(redis_server, tmp_path_factory):
-    with faultkit.Cluster(2, 1, ENV, redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("liveness")) as c:
+    with faultkit.Cluster("--prefill", "2", "--decode", "1", "--redis-url", redis_server.url,
+                          env=ENV, log_dir=tmp_path_factory.mktemp("liveness")) as c:
         yield c
 
 

@@ -36,7 +36,8 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(redis_server, tmp_path_factory):
-    with faultkit.Cluster(1, 1, ENV, redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("chaos")) as c:
+    with faultkit.Cluster("--prefill", "1", "--decode", "1", "--redis-url", redis_server.url,
+                          env=ENV, log_dir=tmp_path_factory.mktemp("chaos")) as c:
         yield c
 
 

@@ -60,7 +60,8 @@ A, B = "tenant-a-3f9c", "tenant-b-77d1"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with faultkit.Cluster(1, 1, ENV, log_dir=tmp_path_factory.mktemp("isolation")) as c:
+    with faultkit.Cluster("--prefill", "1", "--decode", "1",
+                          env=ENV, log_dir=tmp_path_factory.mktemp("isolation")) as c:
         yield c
 
 
@@ -374,9 +375,7 @@ def test_local_prefill_with_no_prefill_tier_alive_hits_only_its_own_tenants_bloc
 
 
 def test_local_prefill_on_a_colocated_decode_pod_hits_only_its_own_tenants_blocks(prompts, tmp_path):
-    colocated = faultkit.Cluster(0, 1, ENV, log_dir=tmp_path)
-    colocated.opts.colocated = True  # what `pdserve up --colocated` sets: no prefill tier, the decode pod says so
-    with colocated:
+    with faultkit.Cluster("--colocated", "--decode", "1", env=ENV, log_dir=tmp_path) as colocated:
         assert decode_pod(colocated)["colocated"] is True
         sent = local_prefill_round(colocated, colocated.router_url, prompts(4))
         assert routing_reasons(colocated, "router") == ["colocated decode pod"] * sent

@@ -20,6 +20,7 @@ from support.redis_server import free_port
 
 import click
 
+from pdserve.loadtest.cluster import up_argv
 from pdserve.services.up import Child, Ensemble, UpOptions, _Stop, parse_cpus, plan
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.registry import PodInfo
@@ -30,13 +31,13 @@ TOKEN = "up-test-token-8c2e41"
 
 
 class Up:
-    """``python -m pdserve.services.cli up ...`` with its stdout read line by line."""
+    """``pdserve up ARGS`` (the command under test, not an ensemble to test against) with its stdout read line by
+    line."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         environ = {k: v for k, v in os.environ.items()
                    if k not in ("REDIS_URL", "PDSERVE_REDIS_URL", "PDSERVE_REGISTRY_TOKEN", "PDSERVE_REDIS_PASSWORD")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli", "up", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        self.proc = subprocess.Popen(up_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**environ, **(env or {})})
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.output: list[str] = []

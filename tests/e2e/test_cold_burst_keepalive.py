@@ -18,7 +18,7 @@ import json
 import httpx
 import pytest
 
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -54,8 +54,8 @@ def test_a_cold_start_burst_under_a_short_bound_completes_every_request(tmp_path
     # and requests queued behind them while it runs (before: unread, and silent, until it ended)
     waves = [(f"Story {i}: " + STORY * (40 if i == 0 else 3), 0.0 if i == 0 else 0.3 if i < 4 else 0.6)
              for i in range(8)]
-    with Ensemble("--prefill", "1", "--decode", "1", "--kv-cache-memory", "47185920", log_dir=tmp_path,
-                  env=ENV) as ens:
+    with Cluster("--prefill", "1", "--decode", "1", "--kv-cache-memory", "47185920", log_dir=tmp_path,
+                 env=ENV, process=True) as ens:
         async def burst():
             async with httpx.AsyncClient(timeout=600) as client:
                 return await asyncio.gather(*[stream_one(client, ens.router_url, p, d) for p, d in waves])

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve.loadtest.sse import read_chunks
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 from support.otlp_receiver import OTLPReceiver
 
 openai = pytest.importorskip("openai")
@@ -34,9 +34,9 @@ def otlp():
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory, otlp):
     # Every process exports its spans to the in-test receiver (docs/observability.md "Tracing"), 50 ms batches.
-    with Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32", log_dir=tmp_path_factory.mktemp("up"),
-                  env={"PDSERVE_ENABLE_PROMPT_TOKENS_DETAILS": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
-                       "OTEL_BSP_SCHEDULE_DELAY": "50"}) as ens:
+    with Cluster("--prefill", "1", "--decode", "1", "--dtype", "float32", log_dir=tmp_path_factory.mktemp("up"),
+                 env={"PDSERVE_ENABLE_PROMPT_TOKENS_DETAILS": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
+                      "OTEL_BSP_SCHEDULE_DELAY": "50"}, process=True) as ens:
         yield ens
 
 
@@ -61,8 +61,8 @@ def test_greedy_through_the_shm_connector_equals_offline_engine(tmp_path, offlin
     lengths = [17, 120]
     prompts = [prompt_of(n, offset=5 * i) for i, n in enumerate(lengths)]
     want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-    with Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32",
-                  "--kv-transfer-config", '{"kv_connector": "shm"}', log_dir=tmp_path) as ens:
+    with Cluster("--prefill", "1", "--decode", "1", "--dtype", "float32",
+                 "--kv-transfer-config", '{"kv_connector": "shm"}', log_dir=tmp_path, process=True) as ens:
         shm_client = openai.OpenAI(base_url=f"{ens.router_url}/v1", api_key="unused", max_retries=0, timeout=300)
         for prompt, expected in zip(prompts, want):
             got = shm_client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)

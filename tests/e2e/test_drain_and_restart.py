@@ -22,7 +22,7 @@ import psutil
 import pytest
 import redis
 
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -32,9 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def ens(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("up")
-    with Ensemble("--colocated", "--decode", "2", "--dtype", "float32", log_dir=log_dir,
-                  env={"PDSERVE_POD_TTL_S": "4", "PDSERVE_MIGRATION_STALL_S": "1",
-                       "PDSERVE_SHUTDOWN_GRACE_S": "120"}) as ens:
+    with Cluster("--colocated", "--decode", "2", "--dtype", "float32", log_dir=log_dir,
+                 env={"PDSERVE_POD_TTL_S": "4", "PDSERVE_MIGRATION_STALL_S": "1",
+                      "PDSERVE_SHUTDOWN_GRACE_S": "120"}, process=True) as ens:
         yield ens
 
 
@@ -52,7 +52,7 @@ def greedy(offline, max_tokens: int) -> str:
     return out.outputs[0].text
 
 
-def stream(ens: Ensemble, max_tokens: int, on_text=None) -> tuple[str, str | None, list[dict]]:
+def stream(ens: Cluster, max_tokens: int, on_text=None) -> tuple[str, str | None, list[dict]]:
     """Text, finish reason and every data chunk (``[DONE]`` as ``{"done": True}``) of a greedy stream."""
     text, finish, chunks = "", None, []
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -89,11 +89,11 @@ def wait_until(check, timeout_s: float = 120, what: str = "") -> None:
     raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
-def router_serves(ens: Ensemble) -> bool:
+def router_serves(ens: Cluster) -> bool:
     return httpx.get(f"{ens.router_url}/health", timeout=5).status_code == 200 and len(ens.pods("decode")) == 2
 
 
-def idle(ens: Ensemble) -> bool:
+def idle(ens: Cluster) -> bool:
     return all(ens.stats(p)["num_running"] == 0 and ens.stats(p)["num_waiting"] == 0 for p in ens.pods("decode"))
 
 
@@ -213,7 +213,7 @@ def test_a_killed_registry_stops_nothing(ens, offline):
     assert ens.proc.poll() is None
 
 
-def redis_pid(ens: Ensemble) -> int | None:
+def redis_pid(ens: Cluster) -> int | None:
     """The pid of ``pdserve up``'s own redis-server (it rewrites its title, so by name), or None between a kill
     and the restart."""
     for proc in psutil.Process(ens.proc.pid).children(recursive=True):

@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 from support.hf_logprobs import hf_prompt_logprobs
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,8 @@ TEXT = ("Photosynthesis is the process by which green plants use sunlight, water
 @pytest.fixture(scope="module", params=["split", "colocated"])
 def ensemble(request, tmp_path_factory):
     tiers = ["--prefill", "1", "--decode", "1"] if request.param == "split" else ["--colocated", "--decode", "1"]
-    with Ensemble(*tiers, "--dtype", "float32", log_dir=tmp_path_factory.mktemp(f"up-{request.param}")) as ens:
+    with Cluster(*tiers, "--dtype", "float32", log_dir=tmp_path_factory.mktemp(f"up-{request.param}"),
+                 process=True) as ens:
         yield ens
 
 

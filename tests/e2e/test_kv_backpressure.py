@@ -24,7 +24,7 @@ import pytest
 
 from pdserve.shared.protocol import keys
 
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -50,7 +50,8 @@ SILENCE_S = 6.0
 
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory):
-    with Ensemble("--prefill", "1", "--decode", "1", log_dir=tmp_path_factory.mktemp("up"), env=ENV) as ens:
+    with Cluster("--prefill", "1", "--decode", "1", log_dir=tmp_path_factory.mktemp("up"), env=ENV,
+                 process=True) as ens:
         yield ens
 
 
@@ -149,7 +150,7 @@ class SilentKVPort:
         self.sock.close()
 
 
-def register_forever(ensemble: Ensemble, info: dict, stop: threading.Event) -> None:
+def register_forever(ensemble: Cluster, info: dict, stop: threading.Event) -> None:
     """Heartbeats for a decode pod that only exists as a silent KV port (its HTTP side is never asked)."""
     while not stop.is_set():
         try:

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,8 @@ EMOJI_CHAT = [{"role": "user", "content": "Reply with only this emoji, three tim
 
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory):
-    with Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32",
-                  log_dir=tmp_path_factory.mktemp("up")) as ens:
+    with Cluster("--prefill", "1", "--decode", "1", "--dtype", "float32",
+                 log_dir=tmp_path_factory.mktemp("up"), process=True) as ens:
         yield ens
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 from support.tiny_models import hf_greedy_of
 
 openai = pytest.importorskip("openai")
@@ -24,8 +24,8 @@ def mistral_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory, mistral_dir):
-    with Ensemble("--model", mistral_dir, "--prefill", "1", "--decode", "1", "--dtype", "float32",
-                  log_dir=tmp_path_factory.mktemp("up")) as ens:
+    with Cluster("--model", mistral_dir, "--prefill", "1", "--decode", "1", "--dtype", "float32",
+                 log_dir=tmp_path_factory.mktemp("up"), process=True) as ens:
         yield ens
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 
 MODEL = "smollm2-135m-instruct"
 BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # one fp32 KV block of the default model
@@ -31,8 +31,8 @@ GREEDY = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
 def ensemble(request, tmp_path_factory):
     env = {"PDSERVE_KV_CACHE_MEMORY": str(POOL_BLOCKS * BLOCK_BYTES), "PDSERVE_PREEMPTION_MODE": request.param,
            "PDSERVE_ENABLE_PROMPT_TOKENS_DETAILS": "true"}
-    with Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32", env=env,
-                  log_dir=tmp_path_factory.mktemp(f"up-{request.param}")) as ens:
+    with Cluster("--prefill", "1", "--decode", "1", "--dtype", "float32", env=env,
+                 log_dir=tmp_path_factory.mktemp(f"up-{request.param}"), process=True) as ens:
         ens.mode = request.param
         yield ens
 
@@ -44,12 +44,12 @@ def offline():
     return LLM(MODEL, dtype="float32")
 
 
-def pod_urls(ens: Ensemble) -> list[str]:
+def pod_urls(ens: Cluster) -> list[str]:
     pods = ens.pods("prefill") + ens.pods("decode")
     return [ens.router_url] + [f"http://{p['host']}:{p['http_port']}" for p in pods]
 
 
-def counters(ens: Ensemble) -> Counter:
+def counters(ens: Cluster) -> Counter:
     """Every counter sample (``*_total``) summed over every pod, keyed by name and its labels other than the pod's."""
     out: Counter = Counter()
     for url in pod_urls(ens):
@@ -69,7 +69,7 @@ def total(c: Counter, name: str, **labels) -> float:
     return sum(v for (n, lab), v in c.items() if n == name and want <= set(lab))
 
 
-def post(ens: Ensemble, path: str, body: dict) -> dict:
+def post(ens: Cluster, path: str, body: dict) -> dict:
     """One request; a stream is folded into ``{"choices": [{index, text, finish_reason}], "usage"}``."""
     body = {"model": MODEL, **body}
     with httpx.Client(timeout=300) as http:
@@ -176,7 +176,7 @@ def test_counters_summed_over_pods_equal_what_clients_got(ensemble, prompt_of):
 
 # ---- the chart's dashboard and alerts, evaluated by a real Prometheus scraping this ensemble (docs/runbooks.md) ----
 
-def _prometheus(ens: Ensemble, rules_path, tmp_path):
+def _prometheus(ens: Cluster, rules_path, tmp_path):
     """A real Prometheus (Debian's package; CI installs it) scraping router, registry and pods every second, with the
     chart's rules loaded; job names as the chart's ServiceMonitor gives them (``<fullname>-<tier>``)."""
     import os

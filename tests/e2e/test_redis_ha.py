@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from support.ensemble import Ensemble, stream_completion
+from pdserve.loadtest.cluster import Cluster
+from support.ensemble import stream_completion
 from support.redis_ha import RedisClusterServers, SentinelGroup
 
 MODEL = "smollm2-135m-instruct"
@@ -24,8 +25,8 @@ def body(prompt: str, max_tokens: int) -> dict:
 
 def test_an_ensemble_on_a_three_shard_cluster_serves_streamed_requests(tmp_path):
     with RedisClusterServers(shards=3) as cluster, \
-            Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32", log_dir=tmp_path,
-                     env={"PDSERVE_REDIS_URL": cluster.url}) as ens:
+            Cluster("--prefill", "1", "--decode", "1", "--dtype", "float32", log_dir=tmp_path,
+                    env={"PDSERVE_REDIS_URL": cluster.url}, process=True) as ens:
         # oracle: each prompt alone, then all at once (batched on the decode pod) must give the same greedy text
         alone = [stream_completion(ens, body(p, 12)) for p in PROMPTS[:2]]
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -37,8 +38,8 @@ def test_an_ensemble_on_a_three_shard_cluster_serves_streamed_requests(tmp_path)
 
 def test_a_sentinel_failover_under_load_loses_no_request(tmp_path):
     with SentinelGroup(aof_dir=tmp_path / "redis") as group, \
-            Ensemble("--colocated", "--decode", "1", "--dtype", "float32", log_dir=tmp_path / "logs",
-                     env={"PDSERVE_REDIS_URL": group.url, "PDSERVE_MIGRATION_STALL_S": "5"}) as ens:
+            Cluster("--colocated", "--decode", "1", "--dtype", "float32", log_dir=tmp_path / "logs",
+                    env={"PDSERVE_REDIS_URL": group.url, "PDSERVE_MIGRATION_STALL_S": "5"}, process=True) as ens:
         want = {p: stream_completion(ens, body(p, 24))[0] for p in PROMPTS}
         killed: dict = {}
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 
 openai = pytest.importorskip("openai")
 
@@ -21,8 +21,8 @@ COPY = ("Repeat this text exactly, word for word: Order 4411: two boxes of blue 
 
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory):
-    with Ensemble("--prefill", "1", "--decode", "1", "--dtype", "float32", "--speculative-config", json.dumps(SPEC),
-                  log_dir=tmp_path_factory.mktemp("up")) as ens:
+    with Cluster("--prefill", "1", "--decode", "1", "--dtype", "float32", "--speculative-config", json.dumps(SPEC),
+                 log_dir=tmp_path_factory.mktemp("up"), process=True) as ens:
         yield ens
 
 

@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 from support.tiny_llama import make_tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -35,9 +35,9 @@ def tiny(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory, tiny):
-    with Ensemble("--model", tiny, "--colocated", "--decode", "1", "--decode-tensor-parallel-size", "3",
-                  "--dtype", "float32", log_dir=tmp_path_factory.mktemp("up"),
-                  env={"PDSERVE_TP_TIMEOUT_S": str(TIMEOUT_S), "PDSERVE_POD_TTL_S": "4"}) as ens:
+    with Cluster("--model", tiny, "--colocated", "--decode", "1", "--decode-tensor-parallel-size", "3",
+                 "--dtype", "float32", log_dir=tmp_path_factory.mktemp("up"),
+                 env={"PDSERVE_TP_TIMEOUT_S": str(TIMEOUT_S), "PDSERVE_POD_TTL_S": "4"}, process=True) as ens:
         yield ens
 
 
@@ -51,13 +51,13 @@ def body_and_want(tiny):
     return {"model": tiny, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}, want
 
 
-def complete(ensemble: Ensemble, body: dict, timeout_s: float = 60) -> str:
+def complete(ensemble: Cluster, body: dict, timeout_s: float = 60) -> str:
     resp = httpx.post(f"{ensemble.router_url}/v1/completions", json=body, timeout=timeout_s)
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["text"]
 
 
-def worker_and_ranks(ensemble: Ensemble) -> tuple[psutil.Process, list[psutil.Process]]:
+def worker_and_ranks(ensemble: Cluster) -> tuple[psutil.Process, list[psutil.Process]]:
     worker = psutil.Process(ensemble.child_pid("decode", "decode-0"))
     return worker, worker.children()
 

@@ -21,7 +21,8 @@ import time
 import psutil
 import pytest
 
-from support.ensemble import Ensemble, stream_completion
+from pdserve.loadtest.cluster import Cluster
+from support.ensemble import stream_completion
 
 openai = pytest.importorskip("openai")
 
@@ -36,9 +37,10 @@ STORY = "Write a long story about a lighthouse keeper and the sea."
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("up")
-    with Ensemble("--prefill", "1", "--decode", "2", "--dtype", "float32",
-                  "--prefill-tensor-parallel-size", str(PREFILL_TP), "--decode-tensor-parallel-size", str(DECODE_TP),
-                  log_dir=log_dir, env={"PDSERVE_POD_TTL_S": "4", "PDSERVE_MIGRATION_STALL_S": "1"}) as ens:
+    with Cluster("--prefill", "1", "--decode", "2", "--dtype", "float32",
+                 "--prefill-tensor-parallel-size", str(PREFILL_TP), "--decode-tensor-parallel-size", str(DECODE_TP),
+                 log_dir=log_dir, env={"PDSERVE_POD_TTL_S": "4", "PDSERVE_MIGRATION_STALL_S": "1"},
+                 process=True) as ens:
         yield ens
 
 
@@ -49,7 +51,7 @@ def offline():
     return LLM(MODEL, dtype="float32")
 
 
-def pod_procs(ensemble: Ensemble, pod_id: str) -> tuple[psutil.Process, list[psutil.Process]]:
+def pod_procs(ensemble: Cluster, pod_id: str) -> tuple[psutil.Process, list[psutil.Process]]:
     """``(worker, its TP rank processes)`` of pod ``pod_id``: the ranks are forked from the worker, so they share
     its environment and command line; the worker is the one whose parent is not of the pod."""
     mine = []

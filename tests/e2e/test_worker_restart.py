@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from support.ensemble import Ensemble, stream_completion
+from pdserve.loadtest.cluster import Cluster
+from support.ensemble import stream_completion
 from support.otlp_receiver import OTLPReceiver
 
 MODEL = "smollm2-135m-instruct"
@@ -28,10 +29,10 @@ def decode_pods_of(spans) -> set[str]:
 
 
 def test_a_killed_decode_worker_is_restarted_and_its_request_moves(tmp_path):
-    with OTLPReceiver() as otlp, Ensemble(
+    with OTLPReceiver() as otlp, Cluster(
             "--prefill", "1", "--decode", "2", "--dtype", "float32", log_dir=tmp_path,
             env={"PDSERVE_POD_TTL_S": "4", "PDSERVE_MIGRATION_STALL_S": "1",
-                 "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50"}) as ens:
+                 "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50"}, process=True) as ens:
         body = {"model": MODEL, "prompt": "Write a long story about a lighthouse keeper and the sea.",
                 "max_tokens": 48, "temperature": 0.8, "seed": 5, "ignore_eos": True}
         want, _ = stream_completion(ens, body)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 from click.testing import CliRunner
 
 from pdserve.loadtest.cli import bench
+from pdserve.loadtest.cluster import Cluster
 from pdserve.loadtest.pd_compare import up_unavailable_reason
-from pdserve.loadtest.procs import free_port, running
 
 from test_serve_mock import VLLM_KEYS
 
@@ -22,11 +21,10 @@ def test_serve_against_pdserve_up_writes_every_key(tmp_path):
     reason = up_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port), "--model", MODEL]
     out = tmp_path / "up.json"
-    with running(cmd, url + "/health", timeout_s=600, serving_model=MODEL):
+    with Cluster("--model", MODEL, log_dir=tmp_path / "up", timeout_s=600, process=True,
+                 serving_model=MODEL) as cluster:
+        url = cluster.router_url
         r = CliRunner().invoke(bench, [
             "serve", "--disable-tqdm", "--base-url", url, "--model", MODEL, "--num-prompts", "4",
             "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos", "--request-rate", "2",

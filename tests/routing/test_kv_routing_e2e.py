@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from pdserve.shared.protocol.block_hash import compute_block_hashes
-from support.ensemble import Ensemble
+from pdserve.loadtest.cluster import Cluster
 
 openai = pytest.importorskip("openai")
 
@@ -30,9 +30,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory):
-    with Ensemble("--prefill", "1", "--decode", "2", "--dtype", "float32", "--kv-cache-memory", "256MiB",
-                  "--local-prefill-threshold", str(LOCAL_THRESHOLD),
-                  log_dir=tmp_path_factory.mktemp("up")) as ens:
+    with Cluster("--prefill", "1", "--decode", "2", "--dtype", "float32", "--kv-cache-memory", "256MiB",
+                 "--local-prefill-threshold", str(LOCAL_THRESHOLD),
+                 log_dir=tmp_path_factory.mktemp("up"), process=True) as ens:
         yield ens
 
 
