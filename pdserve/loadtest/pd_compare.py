@@ -246,6 +246,9 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
                         return result
 
                     row = rows[mode] = run_sync(main())
+                    if "by_label" not in row:  # one kind of request only: the whole run is that class
+                        row["by_label"] = {"long" if mix == "long" else "short": {
+                            k: v for k, v in row.items() if isinstance(v, (int, float))}}
                     row["load_average"] = os.getloadavg()[0]
                     if mode not in custom:
                         row["pd_decisions"] = pd_decisions(url)
@@ -253,6 +256,8 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
                            f"load average {row['load_average']:.1f}", err=True)
     except LoadTestError as exc:
         raise click.ClickException(str(exc)) from None
+    if save_result:
+        save_json({"modes": per_round[0], "rounds": per_round}, Path(save_result))
     click.echo(f"{n_short} short ({short_input_len} in / {short_output_len} out) + {n_long} long "
                f"({long_input_len} in / {long_output_len} out) at {request_rate:g} req/s, model {model}, "
                f"{rounds} round(s) in turns")
@@ -267,5 +272,3 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
         for m, r in rows.items():
             if r.get("pd_decisions"):
                 click.echo(f"{m} pd decisions: " + ", ".join(f"{k} {v:g}" for k, v in sorted(r["pd_decisions"].items())))
-    if save_result:
-        save_json({"modes": per_round[0], "rounds": per_round}, Path(save_result))
