@@ -98,6 +98,52 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+MIXES = ("mixed", "short", "long")
+
+
+def split_counts(num_prompts: int, long_every: int, mix: str) -> tuple[int, int]:
+    """(short, long) request counts: every ``long_every``-th request long (``mixed``), or all of one kind."""
+    if mix == "short":
+        return num_prompts, 0
+    if mix == "long":
+        return 0, num_prompts
+    n_long = num_prompts // long_every
+    return num_prompts - n_long, n_long
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Disaggregated over colocated for the figures issue 29's goals name (NaN where a class or mode is missing)."""
+    d, c = rows.get("disaggregated"), rows.get("colocated")
+    out: dict[str, float] = {}
+    for name, lbl, key in (("short p50 TTFT", "short", "median_ttft_ms"), ("short p99 TTFT", "short", "p99_ttft_ms"),
+                           ("short p99 TPOT", "short", "p99_tpot_ms"), ("out tok/s", None, "output_throughput")):
+        try:
+            a = d[key] if lbl is None else d["by_label"][lbl][key]
+            b = c[key] if lbl is None else c["by_label"][lbl][key]
+            out[name] = a / b
+        except (TypeError, KeyError, ZeroDivisionError):
+            out[name] = math.nan
+    return out
+
+
+def pd_decisions(base_url: str) -> dict[str, float]:
+    """``decision/reason -> count`` from the router's ``pdserve:pd_decisions_total`` (empty when unreadable)."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode(errors="replace")
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^pdserve:pd_decisions_total\{([^}]*)\} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        k = f"{labels.get('decision', '?')}/{labels.get('reason', '?')}"
+        out[k] = out.get(k, 0.0) + float(m.group(2))
+    return out
+
+
 @click.command("pd-vs-colocated")
 @click.option("--model", default="smollm2-135m-instruct", show_default=True)
 @click.option("--num-prompts", type=int, default=48, show_default=True, help="Short plus long requests.")
@@ -106,6 +152,10 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 @click.option("--short-output-len", type=int, default=64, show_default=True)
 @click.option("--long-input-len", type=int, default=1024, show_default=True)
 @click.option("--long-output-len", type=int, default=8, show_default=True)
+@click.option("--mix", type=click.Choice(MIXES), default="mixed", show_default=True,
+              help="mixed: every --long-every-th request long; short / long: --num-prompts of that kind only.")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="Run the modes in turns this many times (A B A B), one table per round.")
 @click.option("--request-rate", type=float, default=1.0, show_default=True)
 @click.option("--burstiness", type=float, default=1.0, show_default=True)
 @click.option("--max-concurrency", type=int, default=None)
@@ -123,7 +173,7 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 @click.option("--save-result", type=click.Path(dir_okay=False), default=None)
 @click.option("--disable-tqdm", is_flag=True)
 def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, short_output_len, long_input_len,
-                            long_output_len, request_rate, burstiness, max_concurrency, seed, endpoint, modes,
+                            long_output_len, mix, rounds, request_rate, burstiness, max_concurrency, seed, endpoint, modes,
                             up_args, pin, launches, up_timeout, save_result, disable_tqdm) -> None:
     """Same workload against `pdserve up` disaggregated (1 prefill + 1 decode) and colocated; one table."""
     from pdserve.loadtest.benchmark import BenchOptions, prepare, run_prepared, run_sync, validate
@@ -140,8 +190,9 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
                 raise LoadTestError(f"{flag} must be at least 1, got {value}")
         if long_every < 2:
             raise LoadTestError(f"--long-every must be at least 2, got {long_every}")
-        n_long = num_prompts // long_every
-        n_short = num_prompts - n_long
+        if rounds < 1:
+            raise LoadTestError(f"--rounds must be at least 1, got {rounds}")
+        n_short, n_long = split_counts(num_prompts, long_every, mix)
         base = BenchOptions(
             client=ClientConfig(base_url="http://127.0.0.1", model=model, endpoint=endpoint),
             run=RunConfig(request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
@@ -151,7 +202,7 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
             percentiles=(50.0, 90.0, 99.0), tokenizer=model,
         )
         validate(base)
-        if n_long < 1:
+        if n_long < 1 and mix != "short":
             raise LoadTestError("--num-prompts is too small for one long request at this --long-every")
         custom = parse_launches(launches)
         run_modes = modes or tuple(MODES)
@@ -159,44 +210,65 @@ def pd_vs_colocated_command(model, num_prompts, long_every, short_input_len, sho
         if reason:
             raise LoadTestError(reason)
 
-        rows: dict[str, dict[str, Any]] = {}
+        per_round: list[dict[str, dict[str, Any]]] = []
         requests = None
-        for mode in run_modes:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            if mode in custom:
-                cmd = [a.format(port=port, model=model) for a in shlex.split(custom[mode])]
-            else:
-                cmd = up_argv("--port", str(port), "--model", model, *MODES[mode], *(pin_args(mode) if pin else []),
-                              *up_args)
-            click.echo(f"[{mode}] starting: {shlex.join(cmd)}", err=True)
-            with running(cmd, url + "/health", timeout_s=up_timeout, serving_model=model):
-                opts = replace(base, client=replace(base.client, base_url=url), label=mode)
+        for rnd in range(rounds):
+            rows: dict[str, dict[str, Any]] = {}
+            per_round.append(rows)
+            for mode in run_modes:
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                if mode in custom:
+                    cmd = [a.format(port=port, model=model) for a in shlex.split(custom[mode])]
+                else:
+                    cmd = up_argv("--port", str(port), "--model", model, *MODES[mode],
+                                  *(pin_args(mode) if pin else []), *up_args)
+                click.echo(f"[{mode}] round {rnd + 1}/{rounds} starting: {shlex.join(cmd)}", err=True)
+                with running(cmd, url + "/health", timeout_s=up_timeout, serving_model=model):
+                    opts = replace(base, client=replace(base.client, base_url=url), label=mode)
 
-                async def main(opts=opts):
-                    nonlocal requests
-                    if requests is None:
-                        info, short = await prepare(opts)
-                        long_opts = replace(opts, dataset=replace(opts.dataset, num_prompts=n_long, seed=seed + 1,
-                                                                  input_len=long_input_len,
-                                                                  output_len=long_output_len, label="long"))
-                        _, long = await prepare(long_opts)
-                        requests = interleave(short[:n_short], long, long_every)
-                    else:
-                        from pdserve.loadtest.preflight import check_server
+                    async def main(opts=opts, url=url):
+                        nonlocal requests
+                        if requests is None:
+                            info, short = await prepare(opts)
+                            long = []
+                            if n_long:
+                                long_opts = replace(opts, dataset=replace(
+                                    opts.dataset, num_prompts=n_long, seed=seed + 1, input_len=long_input_len,
+                                    output_len=long_output_len, label="long"))
+                                _, long = await prepare(long_opts)
+                            requests = interleave(short[:n_short], long, long_every)
+                        else:
+                            from pdserve.loadtest.preflight import check_server
 
-                        info = await check_server(url, model)
-                    result, _ = await run_prepared(opts, info, requests)
-                    return result
+                            info = await check_server(url, model)
+                        result, _ = await run_prepared(opts, info, requests)
+                        return result
 
-                rows[mode] = run_sync(main())
-                click.echo(f"[{mode}] done: {rows[mode]['completed']} ok, {rows[mode]['failed']} failed", err=True)
+                    row = rows[mode] = run_sync(main())
+                    if "by_label" not in row:  # one kind of request only: the whole run is that class
+                        row["by_label"] = {"long" if mix == "long" else "short": {
+                            k: v for k, v in row.items() if isinstance(v, (int, float))}}
+                    row["load_average"] = os.getloadavg()[0]
+                    if mode not in custom:
+                        row["pd_decisions"] = pd_decisions(url)
+                click.echo(f"[{mode}] round {rnd + 1} done: {row['completed']} ok, {row['failed']} failed; "
+                           f"load average {row['load_average']:.1f}", err=True)
     except LoadTestError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"{n_short} short ({short_input_len} in / {short_output_len} out) + {n_long} long "
-               f"({long_input_len} in / {long_output_len} out) at {request_rate:g} req/s, model {model}")
-    click.echo(f"{'pinned: ' + ', '.join(f'{m} {shlex.join(pin_args(m))}' for m in rows) if pin else 'not pinned'}"
-               f"; load average {os.getloadavg()[0]:.1f}")
-    click.echo(table(rows))
     if save_result:
-        save_json({"modes": rows}, Path(save_result))
+        save_json({"modes": per_round[0], "rounds": per_round}, Path(save_result))
+    click.echo(f"{n_short} short ({short_input_len} in / {short_output_len} out) + {n_long} long "
+               f"({long_input_len} in / {long_output_len} out) at {request_rate:g} req/s, model {model}, "
+               f"{rounds} round(s) in turns")
+    click.echo("pinned: " + ", ".join(f"{m} {shlex.join(pin_args(m))}" for m in run_modes) if pin else "not pinned")
+    for rnd, rows in enumerate(per_round, 1):
+        loads = ", ".join(f"{m} {r['load_average']:.1f}" for m, r in rows.items())
+        click.echo(f"round {rnd} (load average at the end of each run: {loads})")
+        click.echo(table(rows))
+        rat = ratios(rows)
+        if not all(math.isnan(v) for v in rat.values()):
+            click.echo("disaggregated / colocated: " + ", ".join(f"{k} {v:.2f}x" for k, v in rat.items()))
+        for m, r in rows.items():
+            if r.get("pd_decisions"):
+                click.echo(f"{m} pd decisions: " + ", ".join(f"{k} {v:g}" for k, v in sorted(r["pd_decisions"].items())))

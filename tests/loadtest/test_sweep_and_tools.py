@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
 from click.testing import CliRunner
 
 from pdserve.loadtest.cli import bench
-from pdserve.loadtest.pd_compare import interleave, up_unavailable_reason
+from pdserve.loadtest.pd_compare import interleave, ratios, split_counts, up_unavailable_reason
 
 from loadtest_support import TOKENIZER
 
@@ -97,6 +98,23 @@ def test_client_overhead_reports_sustained_rate(tmp_path):
 def test_interleave_puts_a_long_request_every_k():
     assert interleave(["s"] * 6, ["L"] * 2, 4) == ["s", "s", "s", "L", "s", "s", "s", "L"]
     assert interleave(["s"] * 2, ["L"] * 3, 2) == ["s", "L", "s", "L", "L"]
+
+
+def test_mix_splits_the_requests_into_short_and_long():
+    assert split_counts(48, 4, "mixed") == (36, 12)
+    assert split_counts(48, 4, "short") == (48, 0)
+    assert split_counts(48, 4, "long") == (0, 48)
+    assert interleave([], ["L"] * 3, 4) == ["L"] * 3 and interleave(["s"] * 3, [], 4) == ["s"] * 3
+
+
+def test_ratios_are_disaggregated_over_colocated():
+    def row(ttft, tpot, tps, label="short"):
+        return {"output_throughput": tps, "by_label": {label: {"median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
+                                                              "p99_tpot_ms": tpot}}}
+    r = ratios({"disaggregated": row(300.0, 50.0, 40.0), "colocated": row(200.0, 100.0, 50.0)})
+    assert r == {"short p50 TTFT": 1.5, "short p99 TTFT": 1.5, "short p99 TPOT": 0.5, "out tok/s": 0.8}
+    r = ratios({"disaggregated": row(1.0, 1.0, 40.0, "long"), "colocated": row(1.0, 1.0, 20.0, "long")})
+    assert r["out tok/s"] == 2.0 and math.isnan(r["short p50 TTFT"])
 
 
 def test_pd_vs_colocated_explains_when_up_is_missing():
