@@ -205,7 +205,9 @@ def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memo
     # local prefill threshold 0: every later turn goes through the prefill pod, so that the hand-over (and the
     # decode pod's tiers answering its reservation) is what is measured
     base = ["--prefill", "1", "--decode", "1", "--dtype", dtype, "--local-prefill-threshold", "0"]
-    shared = len(tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=True))
+    # the system turn as the chat template renders it (tokenize=True may return a BatchEncoding, not ids)
+    shared = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "system", "content": system}],
+                                                                tokenize=False), add_special_tokens=False))
     click.echo(f"workload: {sessions} sessions x {turns} turns, system prompt {len(tokenizer.encode(system))} tokens, "
                f"answers <= {max_tokens} tokens, {one_shot} one-shot prompts of ~{one_shot_tokens} tokens after each "
                f"turn; pdserve up {' '.join(base)}", err=True)
