@@ -287,7 +287,7 @@ def test_the_hand_over_sends_only_the_blocks_the_decode_pod_holds_in_no_tier(llm
     assert asyncio.run(hand_over())
     assert receiver.received_blocks == 1 and metrics.kv_transfer_blocks_skipped._value.get() == 4
     stats = llm.get_stats()
-    assert stats[f"kv_offload_{tier}_hit_tokens"] - before[f"kv_offload_{tier}_hit_tokens"] == 64
+    assert stats.offload[tier].hit_tokens - before.offload[tier].hit_tokens == 64
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
