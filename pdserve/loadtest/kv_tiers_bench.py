@@ -1,5 +1,10 @@
 """Multi-turn chat against KV offloading tiers: no tiers, CPU, CPU+disk and an unlimited pool, in turns.
 
+Modes: ``none`` (pool only), ``cpu`` (``--kv-offloading-size``), ``cpu+disk`` (a CPU tier of ``--cpu-size-with-disk``
+GiB, smaller than the working set, so that evictions reach the disk tier), ``unlimited`` (a 2 GiB pool: the floor);
+``cpu-st2`` and ``cpu+disk-st2`` are ``cpu`` and ``cpu+disk`` with the admission gate
+(``--kv-offloading-store-threshold 2``: a block is written down only once it was looked up twice).
+
 Workload: ``--sessions`` chat sessions share one system prompt (``--system-tokens``); each runs ``--turns`` turns
 in sequence, turn k+1 carrying the whole conversation so far (answers included). Every session's first turn
 goes out, then every second turn, and so on: between two turns of one session the other sessions pass through
@@ -10,7 +15,13 @@ modes in turns (A B C D A B C D). Figures per mode, over later turns (turn 2 on)
 * TTFT p50/p99 as the client sees it;
 * prompt tokens computed per later turn (prefill and decode pods: ``prompt_tokens_computed``) next to the new
   tokens of that turn (the prompt minus the previous turn's prompt and answer);
-* KV bytes moved: over the KV connector (``kv_bytes_received``), and written to / loaded from the tiers.
+* KV bytes moved: over the KV connector (``kv_bytes_received``), and written to / loaded from the tiers (disk's
+  share apart), and evicted blocks the admission gate did not write (``stores_skipped``).
+
+``--one-shot K`` mixes churn in: after each session's turn, K one-shot prompts (the shared system prompt and a
+unique question of about ``--one-shot-tokens`` tokens) whose blocks never come back; they are load, not figures.
+The working set (the system prompt plus every session's final history, one-shots excluded) is printed against the
+decode pod's pool.
 
 Run: ``pdserve bench multi-turn [--sessions 10 --turns 3]``; figures in pdserve/loadtest/README.md
 "KV offloading tiers".
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -33,21 +45,35 @@ from pdserve.loadtest.kv_routing_bench import MODEL, pct, system_prompt, user_me
 from pdserve.loadtest.sse import aread_chunks
 
 MODES = ("none", "cpu", "cpu+disk", "unlimited")
+ALL_MODES = (*MODES, "cpu-st2", "cpu+disk-st2")
 STAT_KEYS = ("prompt_tokens_computed", "kv_bytes_received", "kv_offload_cpu_bytes_written",
-             "kv_offload_cpu_bytes_loaded", "kv_offload_disk_bytes_written", "kv_offload_disk_bytes_loaded")
+             "kv_offload_cpu_bytes_loaded", "kv_offload_disk_bytes_written", "kv_offload_disk_bytes_loaded",
+             "kv_offload_cpu_stores_skipped", "kv_offload_disk_stores_skipped")
 
 
-def mode_args(mode: str, kv_cache_memory: str, cpu_gib: float, disk_gib: float, disk_path: str) -> list[str]:
+def mode_args(mode: str, kv_cache_memory: str, cpu_gib: float, disk_gib: float, disk_path: str,
+              cpu_gib_with_disk: float) -> list[str]:
     """``pdserve up`` flags of one mode (the pool is shrunk for all but ``unlimited``)."""
+    if mode not in ALL_MODES:
+        raise ValueError(f"unknown mode {mode!r} (one of {', '.join(ALL_MODES)})")
     if mode == "unlimited":
         return ["--kv-cache-memory", "2GiB"]
     args = ["--kv-cache-memory", kv_cache_memory]
-    if mode == "cpu":
+    base = mode.removesuffix("-st2")
+    if base == "cpu":
         args += ["--kv-offloading-size", str(cpu_gib)]
-    elif mode == "cpu+disk":
-        args += ["--kv-offloading-size", str(cpu_gib / 4), "--kv-offloading-disk-path", disk_path,
+    elif base == "cpu+disk":
+        args += ["--kv-offloading-size", str(cpu_gib_with_disk), "--kv-offloading-disk-path", disk_path,
                  "--kv-offloading-disk-size", str(disk_gib)]
+    if mode.endswith("-st2"):
+        args += ["--kv-offloading-store-threshold", "2"]
     return args
+
+
+def one_shot_message(i: int, n_tokens: int) -> str:
+    """A unique question of about ``n_tokens`` tokens (its blocks are nobody else's)."""
+    words = " ".join(f"item{i}x{j}" for j in range(max(1, n_tokens // 4)))
+    return f"One-off request {i}: sort these labels and say which is first: {words}"
 
 
 async def one_turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
@@ -68,12 +94,15 @@ async def one_turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: in
     return (first if first is not None else time.perf_counter() - start), "".join(answer), prompt_tokens
 
 
-async def workload(router_url: str, sessions: int, turns: int, system: str, max_tokens: int, stats_of) -> dict:
+async def workload(router_url: str, sessions: int, turns: int, system: str, max_tokens: int, stats_of,
+                   one_shot: int = 0, one_shot_tokens: int = 200, system_tokens: int = 0) -> dict:
     """Turn by turn across sessions; per later turn: TTFT, new tokens, prompt tokens computed (the pods' counter
-    moved by that turn alone: turns of one round go one at a time)."""
+    moved by that turn alone: turns of one round go one at a time). ``one_shot`` churn prompts follow each turn.
+    ``working_set``: tokens of the system prompt (``system_tokens``) plus every session's last prompt and answer
+    beyond it."""
     histories = [[{"role": "system", "content": system}] for _ in range(sessions)]
     last_kv = [0] * sessions  # tokens of the previous turn's prompt and answer
-    out = {"ttft": [], "new": [], "computed": []}
+    out = {"ttft": [], "new": [], "computed": [], "one_shots": 0}
     async with httpx.AsyncClient(base_url=router_url, timeout=httpx.Timeout(600.0)) as http:
         for turn in range(turns):
             for s in range(sessions):
@@ -87,48 +116,61 @@ async def workload(router_url: str, sessions: int, turns: int, system: str, max_
                     out["new"].append(prompt_tokens - last_kv[s])
                     out["computed"].append(after["prompt_tokens_computed"] - before["prompt_tokens_computed"])
                 last_kv[s] = prompt_tokens + max_tokens
+                for _ in range(one_shot):
+                    msgs = [{"role": "system", "content": system},
+                            {"role": "user", "content": one_shot_message(out["one_shots"], one_shot_tokens)}]
+                    await one_turn(http, msgs, max_tokens)
+                    out["one_shots"] += 1
+    out["working_set"] = system_tokens + sum(k - system_tokens for k in last_kv)
     return out
 
 
 def pod_stats(up: Cluster) -> dict:
-    """``STAT_KEYS`` summed over the worker pods (their ``/v1/stats``)."""
+    """``STAT_KEYS`` summed over the worker pods (their ``/v1/stats``), and ``pool_blocks``: the largest pod's pool."""
     pods = httpx.get(f"{up.registry_url}/v1/pods", headers={"Authorization": f"Bearer {up.registry_token}"},
                      timeout=10).json()["pods"]
     total = dict.fromkeys(STAT_KEYS, 0)
+    total["pool_blocks"] = 0
     for p in pods:
         s = httpx.get(f"http://{p['host']}:{p['http_port']}/v1/stats", timeout=30).json()
         for k in STAT_KEYS:
             total[k] += s.get(k, 0)
+        total["pool_blocks"] = max(total["pool_blocks"], s.get("kv_blocks_total", 0))
     return total
 
 
 def measure(mode: str, base: list[str], mode_flags: list[str], sessions: int, turns: int, system: str,
-            max_tokens: int, timeout_s: float) -> dict:
+            max_tokens: int, timeout_s: float, one_shot: int = 0, one_shot_tokens: int = 200,
+            system_tokens: int = 0, block_size: int = 16) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"pdserve-tiers-{mode.replace('+', '-')}-") as tmp:
         flags = [f.replace("{tmp}", tmp) for f in mode_flags]
         with Cluster(*base, *flags, log_dir=Path(tmp), timeout_s=timeout_s, process=True,
                      serving_model=MODEL) as up:
             start = pod_stats(up)
             run = asyncio.run(workload(up.router_url, sessions, turns, system, max_tokens,
-                                       lambda: asyncio.to_thread(pod_stats, up)))
+                                       lambda: asyncio.to_thread(pod_stats, up), one_shot, one_shot_tokens,
+                                       system_tokens))
             end = pod_stats(up)
     moved = {k: end[k] - start[k] for k in STAT_KEYS if k != "prompt_tokens_computed"}
     return {"mode": mode, "turns": len(run["ttft"]), "ttft_p50": pct(run["ttft"], 0.5),
             "ttft_p99": pct(run["ttft"], 0.99), "computed_per_turn": statistics.mean(run["computed"]),
-            "new_per_turn": statistics.mean(run["new"]), "moved": moved}
+            "new_per_turn": statistics.mean(run["new"]), "moved": moved, "one_shots": run["one_shots"],
+            "working_set_tokens": run["working_set"], "pool_tokens": end["pool_blocks"] * block_size}
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'mode':<10} {'turns':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'computed':>9} {'new':>6} {'ratio':>6} "
-             f"{'wire MiB':>9} {'tier wr MiB':>11} {'tier ld MiB':>11}"]
+    lines = [f"{'mode':<12} {'turns':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'computed':>9} {'new':>6} {'ratio':>6} "
+             f"{'wire MiB':>9} {'tier wr MiB':>11} {'(disk)':>7} {'tier ld MiB':>11} {'(disk)':>7} {'skipped':>7}"]
     for r in rows:
         m = r["moved"]
         written = (m["kv_offload_cpu_bytes_written"] + m["kv_offload_disk_bytes_written"]) / 2**20
         loaded = (m["kv_offload_cpu_bytes_loaded"] + m["kv_offload_disk_bytes_loaded"]) / 2**20
-        lines.append(f"{r['mode']:<10} {r['turns']:>5} {r['ttft_p50']:>8.3f}s {r['ttft_p99']:>8.3f}s "
+        skipped = m.get("kv_offload_cpu_stores_skipped", 0) + m.get("kv_offload_disk_stores_skipped", 0)
+        lines.append(f"{r['mode']:<12} {r['turns']:>5} {r['ttft_p50']:>8.3f}s {r['ttft_p99']:>8.3f}s "
                      f"{r['computed_per_turn']:>9.1f} {r['new_per_turn']:>6.1f} "
                      f"{r['computed_per_turn'] / r['new_per_turn']:>6.2f} {m['kv_bytes_received'] / 2**20:>9.1f} "
-                     f"{written:>11.1f} {loaded:>11.1f}")
+                     f"{written:>11.1f} {m['kv_offload_disk_bytes_written'] / 2**20:>7.1f} {loaded:>11.1f} "
+                     f"{m['kv_offload_disk_bytes_loaded'] / 2**20:>7.1f} {skipped:>7}")
     return "\n".join(lines)
 
 
@@ -140,16 +182,21 @@ def table(rows: list[dict]) -> str:
 @click.option("--kv-cache-memory", default="24MiB", show_default=True,
               help="Decode and prefill pool of every mode but unlimited (2GiB).")
 @click.option("--kv-offloading-size", "cpu_gib", type=float, default=1.0, show_default=True,
-              help="CPU tier GiB (cpu mode; a quarter of it in cpu+disk mode, so that the disk tier is used).")
+              help="CPU tier GiB (cpu modes).")
+@click.option("--cpu-size-with-disk", "cpu_gib_with_disk", type=float, default=0.03, show_default=True,
+              help="CPU tier GiB in the cpu+disk modes: smaller than the working set, so that blocks reach the disk.")
 @click.option("--kv-offloading-disk-size", "disk_gib", type=float, default=4.0, show_default=True)
+@click.option("--one-shot", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Churn: one-shot prompts after each session's turn (their blocks never come back).")
+@click.option("--one-shot-tokens", type=click.IntRange(min=8), default=200, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="bfloat16", show_default=True)
 @click.option("--modes", default=",".join(MODES), show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="Repeat the modes in turns (A B C D A B C D).")
 @click.option("--startup-timeout-s", type=float, default=600.0, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
-def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memory, cpu_gib, disk_gib, dtype, modes,
-                       rounds, startup_timeout_s, json_out) -> None:
+def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memory, cpu_gib, cpu_gib_with_disk,
+                       disk_gib, one_shot, one_shot_tokens, dtype, modes, rounds, startup_timeout_s, json_out) -> None:
     """Multi-turn chat through `pdserve up`: no tiers vs CPU vs CPU+disk vs an unlimited pool, in turns."""
     from transformers import AutoTokenizer
 
@@ -160,15 +207,26 @@ def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memo
     # local prefill threshold 0: every later turn goes through the prefill pod, so that the hand-over (and the
     # decode pod's tiers answering its reservation) is what is measured
     base = ["--prefill", "1", "--decode", "1", "--dtype", dtype, "--local-prefill-threshold", "0"]
+    # the system turn as the chat template renders it (tokenize=True may return a BatchEncoding, not ids)
+    shared = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "system", "content": system}],
+                                                                tokenize=False), add_special_tokens=False))
     click.echo(f"workload: {sessions} sessions x {turns} turns, system prompt {len(tokenizer.encode(system))} tokens, "
-               f"answers <= {max_tokens} tokens; pdserve up {' '.join(base)}", err=True)
+               f"answers <= {max_tokens} tokens, {one_shot} one-shot prompts of ~{one_shot_tokens} tokens after each "
+               f"turn; pdserve up {' '.join(base)}", err=True)
+    for mode in modes.split(","):
+        mode_args(mode, kv_cache_memory, cpu_gib, disk_gib, "", cpu_gib_with_disk)  # an unknown mode fails now
     rows = []
     for r in range(rounds):
         for mode in modes.split(","):
             click.echo(f"round {r + 1}: {mode} ...", err=True)
-            flags = mode_args(mode, kv_cache_memory, cpu_gib, disk_gib, "{tmp}/kv-disk")
-            rows.append(measure(mode, base, flags, sessions, turns, system, max_tokens, startup_timeout_s))
-            click.echo(table(rows[-1:]).splitlines()[1], err=True)
+            flags = mode_args(mode, kv_cache_memory, cpu_gib, disk_gib, "{tmp}/kv-disk", cpu_gib_with_disk)
+            rows.append(measure(mode, base, flags, sessions, turns, system, max_tokens, startup_timeout_s, one_shot,
+                                one_shot_tokens, shared))
+            r_ = rows[-1]
+            r_["load"] = os.getloadavg()[0]
+            click.echo(f"{table(rows[-1:]).splitlines()[1]}   working set {r_['working_set_tokens']} tokens = "
+                       f"{r_['working_set_tokens'] / max(1, r_['pool_tokens']):.1f}x the pool "
+                       f"({r_['pool_tokens']} tokens); load {os.getloadavg()[0]:.1f}", err=True)
     click.echo(table(rows))
     if json_out:
         Path(json_out).write_text(json.dumps(rows, indent=2))

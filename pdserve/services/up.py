@@ -194,7 +194,8 @@ FORWARDED = [(WorkerSettings, "dtype"), (WorkerSettings, "max_model_len"), (Work
              (WorkerSettings, "speculative_config"), (WorkerSettings, "kv_transfer_config"),
              (WorkerSettings, "device"), (WorkerSettings, "enforce_eager"),
              (WorkerSettings, "max_cudagraph_capture_size"), (WorkerSettings, "kv_offloading_size"),
-             (WorkerSettings, "kv_offloading_disk_path"), (WorkerSettings, "kv_offloading_disk_size")]
+             (WorkerSettings, "kv_offloading_disk_path"), (WorkerSettings, "kv_offloading_disk_size"),
+             (WorkerSettings, "kv_offloading_store_threshold")]
 ENGINE_FLAGS = {name: env_names(name, cls.model_fields[name])[0] for cls, name in FORWARDED}
 
 

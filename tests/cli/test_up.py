@@ -406,7 +406,8 @@ def test_kv_offloading_flags_reach_the_prefill_pods_engine_too(tmp_path, monkeyp
     seen = {}
     monkeypatch.setattr("pdserve.services.up.run", lambda opts: seen.setdefault("opts", opts) and 0)
     result = CliRunner().invoke(command, ["--kv-offloading-size", "2", "--kv-offloading-disk-path", str(tmp_path),
-                                          "--kv-offloading-disk-size", "3", "--redis-url", "redis://r:6379/0"])
+                                          "--kv-offloading-disk-size", "3", "--kv-offloading-store-threshold", "2",
+                                          "--redis-url", "redis://r:6379/0"])
     assert result.exit_code == 0, result.output
     children = {c.name: c for c in plan(seen["opts"], tmp_path / "logs")}
     for name, settings_class in (("prefill-0", PrefillSettings), ("decode-0", DecodeSettings)):
@@ -415,6 +416,7 @@ def test_kv_offloading_flags_reach_the_prefill_pods_engine_too(tmp_path, monkeyp
                 monkeypatch.setenv(key, value)
         config = settings_class().engine_config()
         assert (config.kv_offloading_size, config.kv_offloading_disk_size) == (2.0, 3.0)
+        assert config.kv_offloading_store_threshold == 2
         assert config.kv_offloading_disk_path == os.path.join(str(tmp_path), name)
 
 

@@ -124,3 +124,60 @@ def test_the_publisher_sends_each_events_medium():
     pub = KVEventPublisher(None, None, "d0", None)
     pub.record([KVCacheEvent("stored", [_h(1)]), KVCacheEvent("removed", [_h(2)], None, "disk")])
     assert [(e.kind, e.medium) for e in pub._pending] == [("stored", "device"), ("removed", "disk")]
+
+
+def test_admission_gate_writes_a_block_only_once_it_was_seen_twice_and_counts_the_skips(tmp_path):
+    # vLLM's store_threshold: a block looked up once is dropped at eviction (counted), twice is written down
+    device = {7: _block(7), 8: _block(8)}
+    manager = KVOffloadManager(CPUTier(4), None, device.__getitem__, {}.__setitem__, 4, store_threshold=2,
+                               tracker_size=2)
+    manager.note_seen([_h(1), _h(2)])
+    manager.offload(_h(1), 7)
+    assert manager.tier_of(_h(1)) is None and manager.tier_stats()["cpu"].stores_skipped == 1
+    manager.note_seen([_h(1)])
+    manager.offload(_h(1), 7)
+    assert manager.tier_of(_h(1)) == "cpu" and manager.tier_stats()["cpu"].bytes_written > 0
+    manager.note_seen([_h(3), _h(2)])  # the tracker keeps 2 hashes: 1 (least recent) is forgotten
+    assert list(manager.seen) == [_h(3), _h(2)]
+    manager.offload(_h(2), 8)
+    assert manager.tier_of(_h(2)) == "cpu"
+    # a disk tier alone takes the pool's evictions directly, so it counts the skips
+    alone = KVOffloadManager(CPUTier(0), _disk(tmp_path), device.__getitem__, {}.__setitem__, 4, store_threshold=2)
+    alone.offload(_h(5), 7)
+    assert alone.tier_of(_h(5)) is None and alone.tier_stats()["disk"].stores_skipped == 1
+    # off (the default): every evicted block is written and nothing is tracked
+    default = KVOffloadManager(CPUTier(4), None, device.__getitem__, {}.__setitem__, 4)
+    default.note_seen([_h(6)])
+    default.offload(_h(6), 7)
+    assert default.tier_of(_h(6)) == "cpu" and not default.seen
+
+
+def test_through_the_cache_manager_a_prompt_is_written_down_at_its_eviction_only_once_a_second_request_saw_it():
+    from pdserve.shared.engine.kv_cache_manager import KVCacheManager
+    from pdserve.shared.engine.request import Request
+    from pdserve.shared.protocol.sampling_params import SamplingParams
+
+    kv = KVCacheManager(8, 4)  # 7 usable blocks
+    manager = KVOffloadManager(CPUTier(16), None, lambda block_id: _block(block_id), {}.__setitem__, 4,
+                               store_threshold=2)
+    kv.set_offload(manager)
+
+    def serve(rid: str, tokens: list[int], kind: str = "new") -> list[bytes]:
+        request = Request(rid, tokens, SamplingParams(max_tokens=4), 4, frozenset())
+        computed, num_computed = kv.get_computed_blocks(request, load_from_tiers=False)
+        assert kv.allocate_slots(request, request.num_tokens - num_computed, computed) is not None
+        kv.record_prefix_cache_stats(request, num_computed, kind)
+        kv.free(request)
+        return request.update_block_hashes(4)
+
+    prompt = list(range(10))  # 2 full blocks
+    hashes = serve("a", prompt)
+    serve("filler1", list(range(100, 128)))  # 7 blocks: evicts a's
+    assert [manager.tier_of(h) for h in hashes] == [None, None]
+    assert manager.tier_stats()["cpu"].stores_skipped == 2
+    serve("a-preempted", prompt, "preempted")  # a preempted request looked up again is not a reuse
+    serve("filler2", list(range(200, 228)))
+    assert [manager.tier_of(h) for h in hashes] == [None, None]
+    serve("a-again", prompt)  # the second request that looks the prompt up
+    serve("filler3", list(range(300, 328)))
+    assert [manager.tier_of(h) for h in hashes] == ["cpu", "cpu"]

@@ -57,6 +57,9 @@ class EngineConfig:
     kv_offloading_disk_path / kv_offloading_disk_size: a local-disk tier below it (a directory; GiB of files),
         kept across restarts. Offloading needs prefix caching and ``tensor_parallel_size`` 1 (docs/engine.md
         "KV offloading tiers").
+    kv_offloading_store_threshold / kv_offloading_tracker_size: admission (vLLM's ``store_threshold`` and
+        ``max_tracker_size``): an evicted block is written to the tiers only once requests have looked it up this
+        many times, counted in an LRU table of that many hashes; 1 (the default) writes every evicted block.
     speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; parsed into a ``SpeculativeConfig`` (None: off).
     """
@@ -88,6 +91,8 @@ class EngineConfig:
     kv_offloading_size: float | None = None
     kv_offloading_disk_path: str | None = None
     kv_offloading_disk_size: float = 8.0
+    kv_offloading_store_threshold: int = 1
+    kv_offloading_tracker_size: int = 64000
 
     def __post_init__(self) -> None:
         self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
@@ -131,6 +136,9 @@ class EngineConfig:
         if (self.kv_offloading_size or 0) < 0 or self.kv_offloading_disk_size <= 0:
             raise ValueError("kv_offloading_size must be >= 0 and kv_offloading_disk_size > 0 (GiB), got "
                              f"{self.kv_offloading_size} and {self.kv_offloading_disk_size}")
+        if self.kv_offloading_store_threshold < 1 or self.kv_offloading_tracker_size < 1:
+            raise ValueError("kv_offloading_store_threshold and kv_offloading_tracker_size must be >= 1, got "
+                             f"{self.kv_offloading_store_threshold} and {self.kv_offloading_tracker_size}")
         if not self.enable_prefix_caching or self.tensor_parallel_size != 1:
             raise ValueError("KV offloading tiers need enable_prefix_caching and tensor_parallel_size 1")
 

@@ -139,9 +139,13 @@ class KVCacheManager:
         return blocks
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int, kind: str = "new") -> None:
-        """Count one lookup of ``request`` (``kind``: see ``PrefixCacheStats``); nothing with caching off."""
+        """Count one lookup of ``request`` (``kind``: see ``PrefixCacheStats``); nothing with caching off. With the
+        tiers' admission gate, a new request's or a reservation's full blocks count as seen once more (a request
+        preempted and looked up again is not a reuse)."""
         if self.enable_caching:
             self.prefix_cache_stats.record(request.num_tokens, num_hits, kind)
+            if self.offload is not None and kind != "preempted":
+                self.offload.note_seen(request.update_block_hashes(self.block_size))
 
     # allocation
     def num_blocks_needed(self, num_tokens: int) -> int:

@@ -11,6 +11,13 @@ waits out of the batch, pinning the device blocks it loads into, while the batch
 its answer either way).
 Tiers are inclusive: a loaded block stays where it was, so evicting it again writes nothing.
 
+Admission (optional, off by default): with ``store_threshold`` N >= 2, an evicted block is written down only once
+requests have looked it up at least N times (vLLM's reuse-frequency gate, ``FilterReusedOffloadingManager`` with
+its ``store_threshold`` and ``max_tracker_size``). ``note_seen`` counts each admitted request's full prompt blocks
+in a bounded LRU table (``tracker_size`` hashes); a block evicted below the threshold is dropped and counted in the
+first tier's ``stores_skipped``. One-shot prompts then never churn the tiers; a block that comes back is written at
+its next eviction (so a multi-turn history is recomputed once more before the tiers keep it).
+
 Disk files (one per block, ``<hash hex>.kv``): ``MAGIC``, a 4-byte little-endian header length, a JSON header
 (the KV layout: model, dtype, block size, layers, KV heads, head dim, TP rank and size; the payload's CRC-32 and
 length) and the payload (the block's bytes, ``KVCache.read_blocks``'s layout). A file whose layout differs from
@@ -56,6 +63,7 @@ class TierStats:
     evictions: int = 0  # blocks dropped out of this tier (to the next one, or gone from the last)
     bad_files: int = 0  # disk: torn, bit-flipped or foreign files skipped
     writes_refused: int = 0  # disk: writes that failed (ENOSPC, I/O errors)
+    stores_skipped: int = 0  # evicted blocks not written: seen fewer than store_threshold times (admission)
 
 
 class CPUTier:
@@ -255,15 +263,22 @@ class KVOffloadManager:
 
     ``read_block(block_id) -> [layers, 2, block_size, kv_heads, head_dim]`` and ``write_block(block_id, data)``
     copy one block out of and into the device pool; ``block_tokens``: tokens per block (for hit counts).
-    ``emit(kind, block_hashes, medium)``, when set, receives every ``stored``/``removed`` change of a tier."""
+    ``emit(kind, block_hashes, medium)``, when set, receives every ``stored``/``removed`` change of a tier.
+    ``store_threshold``/``tracker_size``: the admission gate (module docstring); 1 writes every evicted block."""
 
-    def __init__(self, cpu: CPUTier, disk: DiskTier | None, read_block, write_block, block_tokens: int) -> None:
+    def __init__(self, cpu: CPUTier, disk: DiskTier | None, read_block, write_block, block_tokens: int,
+                 store_threshold: int = 1, tracker_size: int = 64000) -> None:
+        if store_threshold < 1 or tracker_size < 1:
+            raise ValueError(f"store_threshold and tracker_size must be >= 1, got {store_threshold}, {tracker_size}")
         self.cpu = cpu
         self.disk = disk
         self.read_block = read_block
         self.write_block = write_block
         self.block_tokens = block_tokens
         self.emit = None
+        self.store_threshold = store_threshold
+        self.tracker_size = tracker_size
+        self.seen: OrderedDict[BlockHash, int] = OrderedDict()  # block hash -> lookups, LRU (admission gate only)
         # the tiers' indexes are shared by the engine thread (offload, lookups) and the loader thread (loads)
         self._lock = threading.RLock()
         self._loader: ThreadPoolExecutor | None = None
@@ -285,6 +300,18 @@ class KVOffloadManager:
                 return "disk"
             return None
 
+    def note_seen(self, hashes: list[BlockHash]) -> None:
+        """Count one lookup of each of a request's full blocks (the admission gate's tracker; a no-op without it)."""
+        if self.store_threshold <= 1:
+            return
+        with self._lock:
+            seen = self.seen
+            for h in hashes:
+                seen[h] = seen.get(h, 0) + 1
+                seen.move_to_end(h)
+            while len(seen) > self.tracker_size:
+                seen.popitem(last=False)
+
     def offload(self, block_hash: BlockHash, block_id: int) -> None:
         """Write a block the device pool is evicting down the tiers (its data is still in place)."""
         with self._lock:
@@ -296,6 +323,10 @@ class KVOffloadManager:
             return
         if self.disk is not None and block_hash in self.disk:
             self.disk.files.move_to_end(block_hash)
+            return
+        if self.store_threshold > 1 and self.seen.get(block_hash, 0) < self.store_threshold:
+            first = self.cpu if self.cpu.capacity or self.disk is None else self.disk
+            first.stats.stores_skipped += 1
             return
         data = self.read_block(block_id)
         self._put_cpu(block_hash, data)
@@ -414,4 +445,5 @@ def build_offload(config, model_dir: str, kv_spec, kv_cache) -> KVOffloadManager
                         kv_spec.dtype)
     return KVOffloadManager(cpu, disk, lambda block_id: kv_cache.read_blocks([block_id])[0].to("cpu"),
                             lambda block_id, data: kv_cache.write_blocks([block_id], data.unsqueeze(0)),
-                            kv_spec.block_size)
+                            kv_spec.block_size, config.kv_offloading_store_threshold,
+                            config.kv_offloading_tracker_size)

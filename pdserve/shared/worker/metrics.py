@@ -106,7 +106,8 @@ METRICS = (
         ("load_seconds", "Time spent loading blocks back from this tier (s; divide by blocks_loaded for the mean)"),
         ("evictions", "KV blocks pushed out of this tier (CPU: on to disk, if any; disk: dropped)"),
         ("bad_files", "Torn, corrupted or foreign block files skipped (never loaded)"),
-        ("writes_refused", "Block writes the tier refused (disk full, I/O error); serving went on without them"))),
+        ("writes_refused", "Block writes the tier refused (disk full, I/O error); serving went on without them"),
+        ("stores_skipped", "Evicted KV blocks not written to this tier: looked up fewer than store_threshold times"))),
     *(Metric(f"offload_{key}", "gauge", f"pdserve:kv_offload_{key}", doc, ("tier",), stat=key) for key, doc in (
         ("blocks_used", "KV blocks this tier holds"), ("blocks_total", "KV blocks this tier can hold"))),
 )

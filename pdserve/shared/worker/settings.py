@@ -83,6 +83,9 @@ class WorkerSettings(ServiceSettings):
     kv_offloading_disk_path: str | None = Field(None, description=(
         "Directory of a local-disk tier below the CPU tier; this pod uses <path>/<pod id>, kept across restarts."))
     kv_offloading_disk_size: float = Field(8.0, gt=0, description="GiB of block files the disk tier may hold.")
+    kv_offloading_store_threshold: int = Field(1, ge=1, description=(
+        "Admission to the tiers (vLLM's store_threshold): write an evicted block only once requests have looked it "
+        "up this many times (2: skip blocks seen once); 1 writes every evicted block."))
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = Field("auto", description="Attention kernels.")
     device: str = Field("cpu", description="cpu|cuda.")
     # CUDA graphs for decode batches (pdserve/shared/engine/cuda_graphs.py); vLLM's names
@@ -121,6 +124,7 @@ class WorkerSettings(ServiceSettings):
             tp_join_timeout_s=self.tp_join_timeout_s, enforce_eager=self.enforce_eager,
             max_cudagraph_capture_size=self.max_cudagraph_capture_size,
             kv_offloading_size=self.kv_offloading_size, kv_offloading_disk_size=self.kv_offloading_disk_size,
+            kv_offloading_store_threshold=self.kv_offloading_store_threshold,
             # one directory per pod: a restarted pod (same pod id) finds its own blocks, two pods never mix files
             kv_offloading_disk_path=(os.path.join(self.kv_offloading_disk_path, self.pod_id)
                                      if self.kv_offloading_disk_path else None),
