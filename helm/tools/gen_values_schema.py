@@ -152,6 +152,7 @@ schema = {
                                          {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|B)?$"}]},
             # KV offloading tiers (GiB; docs/engine.md "KV offloading tiers")
             "kvOffloading": obj({"cpuSize": {"type": "number", "minimum": 0},
+                                 "storeThreshold": {"type": "integer", "minimum": 1},
                                  "disk": obj({"enabled": B, "size": {"type": "number", "exclusiveMinimum": 0},
                                               "mountPath": {"type": "string", "pattern": "^/"},
                                               "existingClaim": S})}),

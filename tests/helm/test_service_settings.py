@@ -116,12 +116,12 @@ def test_decode_tier_gets_the_speculative_config(chart, monkeypatch):
 
 @pytest.mark.parametrize("claim", ["", "kv-tier-claim"])
 def test_kv_offloading_values_give_prefill_and_decode_engines_their_tiers_and_a_volume(chart, monkeypatch, claim):
-    """engine.kvOffloading reaches both worker tiers' engines (CPU GiB, disk path and GiB; each pod's own directory
+    """engine.kvOffloading reaches both worker tiers' engines (CPU GiB, store threshold, disk path and GiB; each pod's own directory
     under the mount) and mounts the disk tier's volume there: an emptyDir sized to the tier, or the claim given."""
     from pdserve.services.decode.settings import DecodeSettings
     from pdserve.services.prefill.settings import PrefillSettings
 
-    values = {"engine": {"kvOffloading": {"cpuSize": 4, "disk": {"enabled": True, "size": 2,
+    values = {"engine": {"kvOffloading": {"cpuSize": 4, "storeThreshold": 2, "disk": {"enabled": True, "size": 2,
                                                                   "existingClaim": claim}}}}
     docs = render_docs(chart, values)
     for tier, settings_class in (("prefill", PrefillSettings), ("decode", DecodeSettings)):
@@ -129,6 +129,7 @@ def test_kv_offloading_values_give_prefill_and_decode_engines_their_tiers_and_a_
             monkeypatch.setenv(k, v)
         config = settings_class().engine_config()
         assert (config.kv_offloading_size, config.kv_offloading_disk_size) == (4.0, 2.0)
+        assert config.kv_offloading_store_threshold == 2
         assert config.kv_offloading_disk_path == f"/var/cache/pdserve-kv/{FULL}-{tier}-abc12"
         spec = pod_template(docs, f"{FULL}-{tier}")["spec"]
         (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "kv-offload"]
