@@ -232,8 +232,8 @@ def test_lookup_reply_encoding_is_the_models_json_byte_for_byte():
     pods = [pod_info("d0"), pod_info("d1").model_copy(update={"kv_endpoint": {"port": 9, "x": "é\"q"},
                                                                "last_heartbeat": 1.5})]
     tiers = [{"device": 2, "cpu": 1, "disk": 0}, {}]
-    reply = KVLookupReply(pods=[PodOverlap(pod=p, overlap=i, tier_overlap=t) for i, (p, t) in enumerate(zip(pods, tiers))],
-                          num_prefill_pods=3)
+    reply = KVLookupReply(num_prefill_pods=3, pods=[PodOverlap(pod=p, overlap=i, tier_overlap=t)
+                                                    for i, (p, t) in enumerate(zip(pods, tiers))])
     encoded = encode_lookup_reply([(p.model_dump_json().encode(), i, t) for i, (p, t) in enumerate(zip(pods, tiers))],
                                   3)
     assert encoded == reply.model_dump_json().encode()

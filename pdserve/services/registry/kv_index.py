@@ -13,18 +13,22 @@ and the sequence number move together, atomically, whatever the number of regist
 A lookup runs one small script per alive pod of the role (``_WALK``, all of them in one pipelined round trip):
 it walks the chain from its head with ``SISMEMBER`` on the pod's three sets and stops at the first block no
 medium holds, answering four integers: the pool's leading run, and over the leading blocks held in any medium,
-how many each medium (``MEDIUMS`` order, best first) is the best one for. The chain travels as one string argument (the hashes concatenated), so what the registry packs, sends and parses
-is O(pods), whatever the chain's length, and what Redis does per pod is O(the blocks it holds at the head + 1).
-The earlier lookup sent three ``SMISMEMBER`` per pod, each with the whole chain as separate arguments, and parsed
-three flag lists per pod: O(pods x chain) of Python in the registry (the reference in tests/routing).
+how many each medium (``MEDIUMS`` order, best first) is the best one for. The chain travels as one string
+argument (the hashes concatenated), so what the registry packs, sends and parses is one command and four
+integers per pod, whatever the chain's length, and what Redis does per pod is O(the blocks it holds at the
+head + 1). The earlier lookup sent three ``SMISMEMBER`` per pod, each with the whole chain,
+and parsed three flag lists per pod (kept as the test oracle in tests/routing/test_block_index_oracle.py).
+Measured, the registry's CPU per lookup still grows with the pods (about 50 us each, 7-8 ms at 128, mostly
+redis-py parsing one reply per pod for the listing and one for the walk) and Redis's with the blocks the pods
+hold; the walk removed the chain from the registry's side, not the pods.
 
 Why not a reverse index (block hash -> pods, as llm-d's kv-cache indexer keeps): its keys would live in the
 block hashes' slots, so on a Redis Cluster an event could no longer move the pod's sets, the reverse entries and
 the sequence number in one script (exactly-once would need a second protocol), and its entries for an expired
 pod would outlive the pod's TTL (filtered at read, purged by nobody). Its lookup cost is O(chain x holders): no
 better than the walk when every pod holds a shared prefix, which is the case routing has to get right. Nor an
-index in the registry's memory: replicas see disjoint shares of the events. The measurements that chose this
-are in pdserve/loadtest/README.md ("Registry lookup cost").
+index in the registry's memory: replicas see disjoint shares of the events. (These two were reasoned about, not
+built and measured.) Figures, main against this lookup: pdserve/loadtest/README.md ("Registry lookup cost").
 """
 
 from __future__ import annotations
