@@ -48,6 +48,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                         "Same workload against `pdserve up` disaggregated and colocated; one table."),
     "prefill-budget": ("pdserve.loadtest.prefill_budget:prefill_budget_command",
                        "A burst's prompt tokens per CPU-s, TTFT and peak RSS per prefill step budget, in turns."),
+    "registry-lookup": ("pdserve.loadtest.registry_lookup:registry_lookup_command",
+                        "Latency and registry CPU per KV lookup at 8 to 128 pods, checkouts in turns."),
     "router-start": ("pdserve.loadtest.router_start:router_start_command",
                      "Wall seconds and CPU-seconds of a router start, source trees in turns."),
     "serve-compare": ("pdserve.loadtest.serve_compare:serve_compare_command",

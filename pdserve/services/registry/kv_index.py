@@ -7,18 +7,36 @@ Keys (named in pdserve/shared/protocol/keys.py, all in the pod's hash-tag slot, 
 Both expire ``pod_ttl_s`` after the pod's last heartbeat or event (refreshed by either), together with the
 pod's record: a pod that stops beating has its blocks purged by Redis itself, and its deregistration
 deletes them at once. The index is bounded by the pods' cache sizes (a set holds what the pod's block pool
-holds) and by the pod count.
+holds) and by the pod count. Events and snapshots are applied by Lua scripts, so an event's membership change
+and the sequence number move together, atomically, whatever the number of registry replicas.
 
-Why one set per pod and no reverse (hash -> pods) keys: a lookup asks every alive pod of the role with one
-``SMISMEMBER`` (one round trip for all pods, pipelined), which for tens of pods costs less than keeping a
-second structure consistent on every event and purge. Events and snapshots are applied by Lua scripts, so
-an event's membership change and the sequence number move together, atomically, whatever the number of
-registry replicas.
+A lookup runs one small script per alive pod of the role (``_WALK``, all of them in one pipelined round trip):
+it walks the chain from its head with ``SISMEMBER`` on the pod's three sets and stops at the first block no
+medium holds, answering four integers: the pool's leading run, and over the leading blocks held in any medium,
+how many each medium (``MEDIUMS`` order, best first) is the best one for. The chain travels as one string
+argument (the hashes concatenated), so what the registry packs, sends and parses is one command and four
+integers per pod, whatever the chain's length, and what Redis does per pod is O(the blocks it holds at the
+head + 1). The earlier lookup sent three ``SMISMEMBER`` per pod, each with the whole chain,
+and parsed three flag lists per pod (kept as the test oracle in tests/routing/test_block_index_oracle.py).
+Measured, the registry's CPU per lookup still grows with the pods (about 50 us each, 7-8 ms at 128, mostly
+redis-py parsing one reply per pod for the listing and one for the walk) and Redis's with the blocks the pods
+hold; the walk removed the chain from the registry's side, not the pods.
+
+Why not a reverse index (block hash -> pods, as llm-d's kv-cache indexer keeps): its keys would live in the
+block hashes' slots, so on a Redis Cluster an event could no longer move the pod's sets, the reverse entries and
+the sequence number in one script (exactly-once would need a second protocol), and its entries for an expired
+pod would outlive the pod's TTL (filtered at read, purged by nobody). Its lookup cost is O(chain x holders): no
+better than the walk when every pod holds a shared prefix, which is the case routing has to get right. Nor an
+index in the registry's memory: replicas see disjoint shares of the events. (These two were reasoned about, not
+built and measured.) Figures, main against this lookup: pdserve/loadtest/README.md ("Registry lookup cost").
 """
 
 from __future__ import annotations
 
+import hashlib
+
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.keys import blocks_key, seq_key
@@ -112,30 +130,34 @@ redis.call('PEXPIRE', KEYS[2], ttl)
 return {{1, seq}}
 """
 
-
-def leading_ones(flags: list[int]) -> int:
-    """Length of the run of members at the head of the chain (prefix blocks are only usable in order)."""
-    n = 0
-    for f in flags:
-        if not f:
-            break
-        n += 1
-    return n
+# KEYS: _keys(pod) less the sequence record: the pool's set, then one set per tier (MEDIUMS order). ARGV: the
+# hashes' width in bytes and the chain concatenated (width 0: the hashes as separate arguments, ARGV[2..]).
+# Returns {leading blocks in the pool, then per medium the leading blocks it is the best one for}.
+_WALK = """
+local w = tonumber(ARGV[1])
+local n = (w > 0) and math.floor(#ARGV[2] / w) or (#ARGV - 1)
+local lead, pool_run = 0, true
+local counts = {}
+for k = 1, #KEYS do counts[k] = 0 end
+for i = 1, n do
+  local m = (w > 0) and string.sub(ARGV[2], (i - 1) * w + 1, i * w) or ARGV[i + 1]
+  local best = 0
+  for k = 1, #KEYS do
+    if redis.call('SISMEMBER', KEYS[k], m) == 1 then best = k; break end
+  end
+  if best == 0 then break end
+  counts[best] = counts[best] + 1
+  if best == 1 then
+    if pool_run then lead = lead + 1 end
+  else
+    pool_run = false
+  end
+end
+return {lead, unpack(counts)}
+"""
 
 
 _KEY_INDEX = {"device": 1, "cpu": 3, "disk": 4}  # an event's medium -> its set among the scripts' KEYS
-
-
-def tier_counts(flags_per_medium: list[list[int]]) -> dict[str, int]:
-    """Over the leading blocks held in any medium (``MEDIUMS`` order, best first), how many each medium is the
-    best one for: ``{"device": 2, "cpu": 1, "disk": 0}``."""
-    counts = dict.fromkeys(MEDIUMS, 0)
-    for flags in zip(*flags_per_medium):
-        best = next((m for m, f in zip(MEDIUMS, flags) if f), None)
-        if best is None:
-            break
-        counts[best] += 1
-    return counts
 
 
 class BlockIndex:
@@ -144,6 +166,7 @@ class BlockIndex:
         self.ttl_ms = max(1, int(pod_ttl_s * 1000))
         self._apply = redis.register_script(_APPLY)
         self._snapshot = redis.register_script(_SNAPSHOT)
+        self._walk_sha = hashlib.sha1(_WALK.encode()).hexdigest()
 
     async def apply(self, batch: KVEventBatch) -> KVEventsReply:
         """Applies the batch's events in order, exactly once; stops at a gap and asks for a resync."""
@@ -163,17 +186,33 @@ class BlockIndex:
 
     async def overlaps(self, pod_ids: list[str], block_hashes: list[str]) -> list[tuple[int, dict[str, int]]]:
         """For each pod: how many leading blocks of the chain (hex hashes) its KV pool holds, and over the leading
-        blocks it holds in any medium, how many each medium is the best one for (``tier_counts``)."""
+        blocks it holds in any medium, how many each medium is the best one for. One ``_WALK`` per pod, pipelined
+        (see the module's doc)."""
         if not pod_ids or not block_hashes:
             return [(0, {})] * len(pod_ids)
-        members = [bytes.fromhex(h) for h in block_hashes]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for pod_id in pod_ids:
-                for key in (blocks_key(pod_id), *tier_keys(pod_id)):
-                    pipe.smismember(key, members)
-            answers = await pipe.execute()
-        n = len(MEDIUMS)
-        return [(leading_ones(answers[i * n]), tier_counts(answers[i * n:(i + 1) * n])) for i in range(len(pod_ids))]
+        width = len(block_hashes[0])
+        if all(len(h) == width for h in block_hashes):
+            args: list[bytes | int] = [width // 2, bytes.fromhex("".join(block_hashes))]
+        else:  # hashes of several widths (no engine sends those): one argument each
+            args = [0, *(bytes.fromhex(h) for h in block_hashes)]
+        answers = await self._walk_all(pod_ids, args)
+        return [(int(lead), dict(zip(MEDIUMS, map(int, counts)))) for lead, *counts in answers]
+
+    async def _walk_all(self, pod_ids: list[str], args: list) -> list:
+        # EVALSHA, loading the script when Redis lost it (a restart, a failover; a cluster loads it on every
+        # primary): redis-py's own pipelined scripts would send SCRIPT EXISTS with every lookup.
+        for attempt in (0, 1):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for pod_id in pod_ids:
+                    pipe.evalsha(self._walk_sha, len(MEDIUMS), blocks_key(pod_id), *tier_keys(pod_id), *args)
+                answers = await pipe.execute(raise_on_error=False)
+            failed = next((a for a in answers if isinstance(a, Exception)), None)
+            if failed is None:
+                return answers
+            if attempt or not isinstance(failed, NoScriptError):
+                raise failed
+            await self.redis.script_load(_WALK)
+        raise AssertionError("unreachable")
 
     async def pod_blocks(self, pod_id: str) -> set[str]:
         """The pod's indexed block hashes (hex); for operators and tests."""

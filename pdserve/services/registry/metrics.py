@@ -18,6 +18,10 @@ METRICS = (
            "Resyncs asked of pods (sequence gap, unknown pod or epoch)"),
     Metric("kv_snapshots", "counter", "pdserve:registry_kv_snapshots_total", "Snapshots applied"),
     Metric("kv_lookups", "counter", "pdserve:registry_kv_lookups_total", "Prefix lookups answered"),
+    # what a router's 2 s registry timeout is measured against: the lookup's cost grows with the alive pods
+    Metric("kv_lookup_seconds", "histogram", "pdserve:registry_kv_lookup_seconds",
+           "Time to answer a prefix lookup (pods listed, every pod's overlap walked)",
+           buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)),
     Metric("kv_blocks", "gauge", "pdserve:registry_kv_blocks", "Blocks indexed per alive pod (at scrape time)",
            ("pod", "role")),
     Metric("free_blocks", "gauge", "pdserve:registry_free_blocks", "Free KV blocks reported by alive pods", ("role",)),

@@ -4,13 +4,15 @@ health and metrics. Each handler makes one call into ``PodStore`` / ``BlockIndex
 from __future__ import annotations
 
 import logging
+import time
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from pdserve.shared.protocol.kv_events import KVEventBatch, KVEventsReply, KVLookup, KVLookupReply, KVSnapshot, PodOverlap
+from pdserve.shared.protocol.kv_events import (KVEventBatch, KVEventsReply, KVLookup, KVLookupReply, KVSnapshot,
+                                               encode_lookup_reply)
 from pdserve.shared.protocol.registry import ROLES, PodInfo, Role
 
 from .errors import error_body
@@ -91,15 +93,17 @@ async def kv_pod(pod_id: str, request: Request) -> dict:
     return {"pod_id": pod_id, "epoch": epoch, "seq": seq, "block_hashes": sorted(await index.pod_blocks(pod_id))}
 
 
-@router.post("/v1/kv/lookup")
-async def kv_lookup(q: KVLookup, request: Request) -> KVLookupReply:
-    store = _store(request)
-    pods = await store.list(q.role)
-    overlaps = await _index(request).overlaps([p.pod_id for p in pods], q.block_hashes)
-    num_prefill = len(await store.list("prefill")) if q.role == "decode" else len(pods)
-    _metrics(request).kv_lookups.inc()
-    return KVLookupReply(pods=[PodOverlap(pod=p, overlap=o, tier_overlap=t) for p, (o, t) in zip(pods, overlaps)],
-                         num_prefill_pods=num_prefill)
+@router.post("/v1/kv/lookup", response_model=KVLookupReply)
+async def kv_lookup(q: KVLookup, request: Request) -> Response:
+    start = time.perf_counter()
+    pods, num_prefill = await _store(request).alive(q.role, count="prefill" if q.role == "decode" else None)
+    overlaps = await _index(request).overlaps([p.pod_id for p, _ in pods], q.block_hashes)
+    body = encode_lookup_reply([(pod_json, overlap, tiers) for (_, pod_json), (overlap, tiers) in zip(pods, overlaps)],
+                               num_prefill if q.role == "decode" else len(pods))
+    metrics = _metrics(request)
+    metrics.kv_lookups.inc()
+    metrics.kv_lookup_seconds.observe(time.perf_counter() - start)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/health")
