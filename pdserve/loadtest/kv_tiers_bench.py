@@ -12,7 +12,8 @@ the pod, so with a small pool (``--kv-cache-memory``) a session's history is evi
 mode runs a fresh ``pdserve up --prefill 1 --decode 1`` (same flags but the tiers); ``--rounds`` repeats the
 modes in turns (A B C D A B C D). Figures per mode, over later turns (turn 2 on):
 
-* TTFT p50/p99 as the client sees it;
+* TTFT p50/p99 as the client sees it, and E2E latency p50/p99 (the last token: the decode pod's side, where a
+  hand-over's reservation and its tier loads sit; TTFT is the prefill pod's first token, sent before the hand-over);
 * prompt tokens computed per later turn (prefill and decode pods: ``prompt_tokens_computed``) next to the new
   tokens of that turn (the prompt minus the previous turn's prompt and answer);
 * KV bytes moved: over the KV connector (``kv_bytes_received``), and written to / loaded from the tiers (disk's
@@ -24,7 +25,8 @@ The working set (the system prompt plus every session's final history, one-shots
 decode pod's pool.
 
 Run: ``pdserve bench multi-turn [--sessions 10 --turns 3]``; figures in pdserve/loadtest/README.md
-"KV offloading tiers".
+"KV offloading tiers". ``--tree NAME=PATH`` (repeatable) runs each mode from several checkouts in turns (``pdserve
+up`` imports pdserve from PATH), e.g. ``--tree main=/work/main --tree branch=.``; the rows are ``mode@NAME``.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ def one_shot_message(i: int, n_tokens: int) -> str:
     return f"One-off request {i}: sort these labels and say which is first: {words}"
 
 
-async def one_turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
-    """(TTFT s, answer, prompt tokens) of one streamed chat turn; raises on an HTTP error."""
+async def one_turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> tuple[float, str, int, float]:
+    """(TTFT s, answer, prompt tokens, E2E s) of one streamed chat turn; raises on an HTTP error."""
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start, first, answer, prompt_tokens = time.perf_counter(), None, [], 0
@@ -91,7 +93,8 @@ async def one_turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: in
                 if choice.get("delta", {}).get("content"):
                     first = first if first is not None else time.perf_counter() - start
                     answer.append(choice["delta"]["content"])
-    return (first if first is not None else time.perf_counter() - start), "".join(answer), prompt_tokens
+    e2e = time.perf_counter() - start
+    return (first if first is not None else e2e), "".join(answer), prompt_tokens, e2e
 
 
 async def workload(router_url: str, sessions: int, turns: int, system: str, max_tokens: int, stats_of,
@@ -102,17 +105,18 @@ async def workload(router_url: str, sessions: int, turns: int, system: str, max_
     beyond it."""
     histories = [[{"role": "system", "content": system}] for _ in range(sessions)]
     last_kv = [0] * sessions  # tokens of the previous turn's prompt and answer
-    out = {"ttft": [], "new": [], "computed": [], "one_shots": 0}
+    out = {"ttft": [], "e2e": [], "new": [], "computed": [], "one_shots": 0}
     async with httpx.AsyncClient(base_url=router_url, timeout=httpx.Timeout(600.0)) as http:
         for turn in range(turns):
             for s in range(sessions):
                 histories[s].append({"role": "user", "content": user_message(s, turn)})
                 before = await stats_of()
-                ttft, answer, prompt_tokens = await one_turn(http, histories[s], max_tokens)
+                ttft, answer, prompt_tokens, e2e = await one_turn(http, histories[s], max_tokens)
                 after = await stats_of()
                 histories[s].append({"role": "assistant", "content": answer})
                 if turn:
                     out["ttft"].append(ttft)
+                    out["e2e"].append(e2e)
                     out["new"].append(prompt_tokens - last_kv[s])
                     out["computed"].append(after["prompt_tokens_computed"] - before["prompt_tokens_computed"])
                 last_kv[s] = prompt_tokens + max_tokens
@@ -141,11 +145,11 @@ def pod_stats(up: Cluster) -> dict:
 
 def measure(mode: str, base: list[str], mode_flags: list[str], sessions: int, turns: int, system: str,
             max_tokens: int, timeout_s: float, one_shot: int = 0, one_shot_tokens: int = 200,
-            system_tokens: int = 0, block_size: int = 16) -> dict:
+            system_tokens: int = 0, block_size: int = 16, tree: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"pdserve-tiers-{mode.replace('+', '-')}-") as tmp:
         flags = [f.replace("{tmp}", tmp) for f in mode_flags]
         with Cluster(*base, *flags, log_dir=Path(tmp), timeout_s=timeout_s, process=True,
-                     serving_model=MODEL) as up:
+                     serving_model=MODEL, pythonpath=tree) as up:
             start = pod_stats(up)
             run = asyncio.run(workload(up.router_url, sessions, turns, system, max_tokens,
                                        lambda: asyncio.to_thread(pod_stats, up), one_shot, one_shot_tokens,
@@ -153,20 +157,22 @@ def measure(mode: str, base: list[str], mode_flags: list[str], sessions: int, tu
             end = pod_stats(up)
     moved = {k: end[k] - start[k] for k in STAT_KEYS if k != "prompt_tokens_computed"}
     return {"mode": mode, "turns": len(run["ttft"]), "ttft_p50": pct(run["ttft"], 0.5),
-            "ttft_p99": pct(run["ttft"], 0.99), "computed_per_turn": statistics.mean(run["computed"]),
+            "ttft_p99": pct(run["ttft"], 0.99), "e2e_p50": pct(run["e2e"], 0.5), "e2e_p99": pct(run["e2e"], 0.99),
+            "computed_per_turn": statistics.mean(run["computed"]),
             "new_per_turn": statistics.mean(run["new"]), "moved": moved, "one_shots": run["one_shots"],
             "working_set_tokens": run["working_set"], "pool_tokens": end["pool_blocks"] * block_size}
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'mode':<12} {'turns':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'computed':>9} {'new':>6} {'ratio':>6} "
+    lines = [f"{'mode':<18} {'turns':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E p50':>9} {'E2E p99':>9} {'computed':>9} {'new':>6} {'ratio':>6} "
              f"{'wire MiB':>9} {'tier wr MiB':>11} {'(disk)':>7} {'tier ld MiB':>11} {'(disk)':>7} {'skipped':>7}"]
     for r in rows:
         m = r["moved"]
         written = (m["kv_offload_cpu_bytes_written"] + m["kv_offload_disk_bytes_written"]) / 2**20
         loaded = (m["kv_offload_cpu_bytes_loaded"] + m["kv_offload_disk_bytes_loaded"]) / 2**20
         skipped = m.get("kv_offload_cpu_stores_skipped", 0) + m.get("kv_offload_disk_stores_skipped", 0)
-        lines.append(f"{r['mode']:<12} {r['turns']:>5} {r['ttft_p50']:>8.3f}s {r['ttft_p99']:>8.3f}s "
+        lines.append(f"{r['mode']:<18} {r['turns']:>5} {r['ttft_p50']:>8.3f}s {r['ttft_p99']:>8.3f}s "
+                     f"{r.get('e2e_p50', float('nan')):>8.3f}s {r.get('e2e_p99', float('nan')):>8.3f}s "
                      f"{r['computed_per_turn']:>9.1f} {r['new_per_turn']:>6.1f} "
                      f"{r['computed_per_turn'] / r['new_per_turn']:>6.2f} {m['kv_bytes_received'] / 2**20:>9.1f} "
                      f"{written:>11.1f} {m['kv_offload_disk_bytes_written'] / 2**20:>7.1f} {loaded:>11.1f} "
@@ -195,8 +201,11 @@ def table(rows: list[dict]) -> str:
               help="Repeat the modes in turns (A B C D A B C D).")
 @click.option("--startup-timeout-s", type=float, default=600.0, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
+@click.option("--tree", "trees", multiple=True,
+              help="NAME=PATH: also run each mode from this checkout (`pdserve up` imports pdserve from PATH), in turns.")
 def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memory, cpu_gib, cpu_gib_with_disk,
-                       disk_gib, one_shot, one_shot_tokens, dtype, modes, rounds, startup_timeout_s, json_out) -> None:
+                       disk_gib, one_shot, one_shot_tokens, dtype, modes, rounds, startup_timeout_s, json_out,
+                       trees) -> None:
     """Multi-turn chat through `pdserve up`: no tiers vs CPU vs CPU+disk vs an unlimited pool, in turns."""
     from transformers import AutoTokenizer
 
@@ -215,13 +224,18 @@ def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memo
                f"turn; pdserve up {' '.join(base)}", err=True)
     for mode in modes.split(","):
         mode_args(mode, kv_cache_memory, cpu_gib, disk_gib, "", cpu_gib_with_disk)  # an unknown mode fails now
+    checkouts = [tuple(t.split("=", 1)) for t in trees] or [(None, None)]
+    if any(len(c) != 2 for c in checkouts):
+        raise click.BadParameter("NAME=PATH", param_hint="--tree")
     rows = []
     for r in range(rounds):
-        for mode in modes.split(","):
-            click.echo(f"round {r + 1}: {mode} ...", err=True)
+        for mode, (name, path) in [(m, c) for m in modes.split(",") for c in checkouts]:
+            label = mode if name is None else f"{mode}@{name}"
+            click.echo(f"round {r + 1}: {label} ...", err=True)
             flags = mode_args(mode, kv_cache_memory, cpu_gib, disk_gib, "{tmp}/kv-disk", cpu_gib_with_disk)
             rows.append(measure(mode, base, flags, sessions, turns, system, max_tokens, startup_timeout_s, one_shot,
-                                one_shot_tokens, shared))
+                                one_shot_tokens, shared, tree=path))
+            rows[-1]["mode"] = label
             r_ = rows[-1]
             r_["load"] = os.getloadavg()[0]
             click.echo(f"{table(rows[-1:]).splitlines()[1]}   working set {r_['working_set_tokens']} tokens = "

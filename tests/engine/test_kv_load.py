@@ -62,7 +62,7 @@ def test_a_load_pins_its_blocks_until_done_then_the_prefix_is_a_device_hit():
     gate.set()
     kv.loads.wait_any(10)
     assert not kv.is_loading(a) and not kv.is_loading(b)
-    blocks, num_computed = kv.get_computed_blocks(a, load_from_tiers=False)
+    blocks, num_computed = kv.get_computed_blocks(a)
     assert num_computed == 8 and [pool[blk.block_id].item() for blk in blocks] == [100, 101]
 
 
@@ -79,3 +79,40 @@ def test_a_request_aborted_while_loading_frees_its_blocks_only_after_the_loader_
     kv.loads.wait_any(10)
     kv.reap_loads()
     assert kv.num_free_blocks == free_before and not kv.loads
+
+
+def test_a_reservation_counts_tier_blocks_as_cached_at_once_and_they_enter_the_cache_when_loaded():
+    """A decode pod's reservation (``get_reserved_blocks``) answers before its load: the tier's blocks count as
+    cached (the sender skips them) while the loader is still held back; a done load is completed by the next
+    reap, and ``finish_load`` says every block arrived."""
+    kv, pool, gate = manager_with_gated_tier()
+    tokens = list(range(9))
+    compute_and_evict(kv, pool, tokens)
+    r = req("d", tokens)
+    blocks, num_loading = kv.get_reserved_blocks(r)
+    assert len(blocks) == 2 and num_loading == 2 and kv.finish_load("d") is None
+    assert kv.allocate_slots(r, r.num_tokens - 8, blocks, cache=False) is not None
+    gate.set()
+    kv.loads.wait_any(10)
+    kv.reap_loads()
+    assert not kv.loads and kv.finish_load("d") == 2
+    hits, n = kv.get_computed_blocks(req("e", tokens))
+    assert n == 8 and hits == blocks and [pool[b.block_id].item() for b in hits] == [100, 101]
+    kv.free(r)
+
+
+def test_a_reservation_given_up_while_loading_returns_every_block_once_the_loader_is_done():
+    kv, pool, gate = manager_with_gated_tier()
+    tokens = list(range(9))
+    compute_and_evict(kv, pool, tokens)
+    free_before = kv.num_free_blocks
+    r = req("d", tokens)
+    blocks, _ = kv.get_reserved_blocks(r)
+    kv.allocate_slots(r, r.num_tokens - 8, blocks, cache=False)
+    kv.free(r)  # released (lease expired, aborted): the loader may still be writing two of its blocks
+    assert kv.num_free_blocks == free_before - 2
+    gate.set()
+    kv.loads.wait_any(10)
+    kv.reap_loads()
+    assert kv.num_free_blocks == free_before and not kv.loads and not kv.loads.finished
+    assert kv.get_computed_blocks(req("e", tokens))[1] == 8  # what was loaded is kept in the prefix cache

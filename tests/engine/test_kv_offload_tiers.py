@@ -109,9 +109,9 @@ def test_offload_manager_writes_down_the_tiers_and_emits_each_tiers_events(tmp_p
     assert [manager.tier_of(_h(i)) for i in (1, 2, 3)] == ["disk", "cpu", None]
     assert events == [("stored", [_h(1)], "cpu"), ("stored", [_h(2)], "cpu"), ("removed", [_h(1)], "cpu"),
                       ("stored", [_h(1)], "disk")]
-    assert manager.load(_h(1), 3) == "disk" and torch.equal(loaded[3], _block(7))
-    assert manager.load(_h(2), 4) == "cpu" and torch.equal(loaded[4], _block(8))
-    assert manager.load(_h(3), 5) is None
+    loads = manager.start_loads([(_h(1), 3, None), (_h(2), 4, None), (_h(3), 5, None)]).result(10)  # loader thread
+    assert loads == [("disk", False), ("cpu", False), (None, False)]
+    assert torch.equal(loaded[3], _block(7)) and torch.equal(loaded[4], _block(8)) and 5 not in loaded
     stats = manager.tier_stats()
     assert stats["cpu"].hit_tokens == 4 and stats["disk"].hit_tokens == 4
     assert stats["disk"].bytes_loaded == _block(7).numel() * 2
@@ -164,7 +164,7 @@ def test_through_the_cache_manager_a_prompt_is_written_down_at_its_eviction_only
 
     def serve(rid: str, tokens: list[int], kind: str = "new") -> list[bytes]:
         request = Request(rid, tokens, SamplingParams(max_tokens=4), 4, frozenset())
-        computed, num_computed = kv.get_computed_blocks(request, load_from_tiers=False)
+        computed, num_computed = kv.get_computed_blocks(request)
         assert kv.allocate_slots(request, request.num_tokens - num_computed, computed) is not None
         kv.record_prefix_cache_stats(request, num_computed, kind)
         kv.free(request)

@@ -31,7 +31,8 @@ def test_the_table_gives_computed_over_new_tokens_and_mebibytes_moved():
     moved = {"kv_bytes_received": 2**21, "kv_offload_cpu_bytes_written": 2**20, "kv_offload_cpu_bytes_loaded": 2**20,
              "kv_offload_disk_bytes_written": 2**20, "kv_offload_disk_bytes_loaded": 0,
              "kv_offload_cpu_stores_skipped": 3, "kv_offload_disk_stores_skipped": 0}
-    row = {"mode": "cpu+disk", "turns": 20, "ttft_p50": 0.5, "ttft_p99": 0.9, "computed_per_turn": 66.0,
+    row = {"mode": "cpu+disk", "turns": 20, "ttft_p50": 0.5, "ttft_p99": 0.9, "e2e_p50": 0.7, "e2e_p99": 1.25,
+           "computed_per_turn": 66.0,
            "new_per_turn": 60.0, "moved": moved}
-    assert table([row]).splitlines()[1].split() == ["cpu+disk", "20", "0.500s", "0.900s", "66.0", "60.0", "1.10",
+    assert table([row]).splitlines()[1].split() == ["cpu+disk", "20", "0.500s", "0.900s", "0.700s", "1.250s", "66.0", "60.0", "1.10",
                                                     "2.0", "2.0", "1.0", "1.0", "0.0", "3"]

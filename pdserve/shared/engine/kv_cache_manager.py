@@ -92,51 +92,52 @@ class KVCacheManager:
         if self.loads is not None:
             self.loads.reap()
 
-    def get_computed_blocks(self, request: Request, load_from_tiers: bool = True) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request's full blocks, and how many tokens it covers.
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest prefix of the request's full blocks cached in the pool, and how many tokens it covers.
 
         A prompt that is cached whole still recomputes its last token (its logits are needed), so
         the hit is at most ``num_tokens - 1`` tokens, rounded down to whole blocks. A request that computes
         ``prompt_logprobs`` gets no hit (vLLM's rule): a cached block holds KV, not the logits of its positions.
         The caller records the lookup (``record_prefix_cache_stats``) once the request got its blocks.
-        With offloading tiers and ``load_from_tiers``, a block missing from the pool but held by a tier is loaded
-        back into a new device block now (synchronously, before the step that reads it) and counts as a hit; the
-        scheduler loads through ``is_loading`` instead and passes False.
+        Blocks held by an offloading tier come back through ``is_loading`` (a request) or
+        ``get_reserved_blocks`` (a reservation) first; this lookup finds them once they are loaded.
         """
         if not self.enable_caching or request.prompt_logprobs is not None:
             return [], 0
         hashes = request.update_block_hashes(self.block_size)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        if self.offload is not None and load_from_tiers:
-            blocks = self._get_computed_blocks_tiered(hashes[:max_hit_blocks])
-            return blocks, len(blocks) * self.block_size
         blocks = []
-        for h in hashes[:max_hit_blocks]:
+        for h in hashes[: (request.num_tokens - 1) // self.block_size]:
             block = self.block_pool.get_cached_block(h)
             if block is None:
                 break
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
-    def _get_computed_blocks_tiered(self, hashes: list[BlockHash]) -> list[KVCacheBlock]:
-        # every block found is pinned until the walk ends, so that loading a later one cannot evict it
-        pool = self.block_pool
-        blocks: list[KVCacheBlock] = []
-        for i, h in enumerate(hashes):
-            block = pool.get_cached_block(h)
-            if block is not None:
-                pool.touch([block])
-            elif pool.get_num_free_blocks() and self.offload.tier_of(h) is not None:
-                block = pool.get_new_blocks(1)[0]  # may evict (offload) another block
-                if self.offload.load(h, block.block_id) is None:  # a bad disk file
-                    pool.free_blocks([block])
-                    break
-                pool.cache_loaded_block(block, h, hashes[i - 1] if i else None)
-            else:
-                break
-            blocks.append(block)
-        pool.free_blocks(reversed(blocks))
-        return blocks
+    def get_reserved_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int] | None:
+        """A reservation's prefix (``DecodeImport.reserve``): the pool's hits, then the blocks an offloading tier
+        holds, loading into new device blocks on the loader thread (``is_loading``'s mechanism; ``finish_load``
+        says when they are in), and how many of them are loading. The caller takes them all with
+        ``allocate_slots``. None when the pool cannot hold the whole request now (nothing taken). A walk that meets
+        a block another load is bringing in stops there: the sender sends the rest."""
+        computed, _ = self.get_computed_blocks(request)
+        if self.loads is None or not self.enable_caching or request.prompt_logprobs is not None:
+            fits = self.can_allocate(request, request.num_tokens - len(computed) * self.block_size, computed)
+            return (computed, 0) if fits else None
+        self.loads.reap()  # loads of reservations given up hold blocks until then (an idle engine does not step)
+        hashes = request.update_block_hashes(self.block_size)[: (request.num_tokens - 1) // self.block_size]
+        hits, todo, _ = self.loads.walk(hashes)
+        # every block of the request, less the hits that someone else holds (a free hit costs a free block)
+        needed = self.num_blocks_needed(request.num_tokens) - sum(1 for b in hits if b.ref_cnt > 0)
+        if needed > self.block_pool.get_num_free_blocks():
+            return None
+        loading = self.loads.start(request.request_id, hits, todo, hashes, eager=True) if todo else []
+        return hits + loading, len(loading)
+
+    def finish_load(self, request_id: str) -> int | None:
+        """A reservation's tier load (``get_reserved_blocks``): None while it runs, else how many of its blocks
+        arrived (0 without one). A block that did not arrive (a bad disk file, a block dropped from the last tier
+        meanwhile) and every one after it hold nothing: the request recomputes them."""
+        return self.loads.finish(request_id) if self.loads is not None else 0
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int, kind: str = "new") -> None:
         """Count one lookup of ``request`` (``kind``: see ``PrefixCacheStats``); nothing with caching off. With the

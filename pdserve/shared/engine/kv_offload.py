@@ -5,10 +5,10 @@ down a tier instead of dropped: into the CPU tier, whose LRU victims go to the d
 dropped (vLLM's ``OffloadingConnector`` with its LRU manager; Dynamo's KV block manager: device, host, disk).
 Keys are block hashes, which chain ``cache_salt`` from the first block on (``protocol/block_hash.py``), so tenants
 never share a block in any tier. A prefix hit in a tier is loaded back into a freshly allocated device block
-before the step that reads it. In the scheduler the load runs on a loader thread (``start_loads``): the request
-waits out of the batch, pinning the device blocks it loads into, while the batch keeps stepping (vLLM's
-``WAITING_FOR_REMOTE_KVS``); a decode pod's reservation for a hand-over loads synchronously (the sender waits for
-its answer either way).
+before the step that reads it. The load runs on a loader thread (``start_loads``): the request waits out of the
+batch, pinning the device blocks it loads into, while the batch keeps stepping (vLLM's ``WAITING_FOR_REMOTE_KVS``);
+a decode pod's reservation for a hand-over loads the same way, and its request joins the batch once the load is in
+(``kv_load.py``).
 Tiers are inclusive: a loaded block stays where it was, so evicting it again writes nothing.
 
 Admission (optional, off by default): with ``store_threshold`` N >= 2, an evicted block is written down only once
@@ -259,7 +259,7 @@ class DiskTier:
 
 
 class KVOffloadManager:
-    """The tiers of one engine: ``offload`` a block the device pool evicts, ``load`` one back.
+    """The tiers of one engine: ``offload`` a block the device pool evicts, ``start_loads`` to bring blocks back.
 
     ``read_block(block_id) -> [layers, 2, block_size, kv_heads, head_dim]`` and ``write_block(block_id, data)``
     copy one block out of and into the device pool; ``block_tokens``: tokens per block (for hit counts).
@@ -352,21 +352,14 @@ class KVOffloadManager:
             if block_hash in self.disk:
                 self._event("stored", [block_hash], "disk")
 
-    def load(self, block_hash: BlockHash, block_id: int) -> str | None:
-        """Copy a block from the highest tier holding it into device block ``block_id`` now; returns the tier's
-        name, or None (nothing written) when no tier holds a good copy. Engine thread only (it emits events)."""
-        tier, bad = self._load_one(block_hash, block_id)
-        if bad:
-            self.emit_removed_disk(block_hash)
-        return tier
-
     def emit_removed_disk(self, block_hash: BlockHash) -> None:
         """A bad file left the disk tier (the loader found it; events go out on the engine thread)."""
         self._event("removed", [block_hash], "disk")
 
     def _load_one(self, block_hash: BlockHash, block_id: int,
                   cpu_copy: torch.Tensor | None = None) -> tuple[str | None, bool]:
-        """``load`` without events, safe on the loader thread: ``(tier name or None, a bad file was dropped)``.
+        """Copy a block from the highest tier holding it into device block ``block_id``, without events (the loader
+        thread): ``(tier name or None, a bad file was dropped)``.
         ``cpu_copy``: the CPU tier's block taken earlier (``take_cpu_copies``). The disk read runs outside the
         lock, so evictions the step writes down do not wait for it."""
         start = time.perf_counter()

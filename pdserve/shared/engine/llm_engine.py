@@ -152,6 +152,7 @@ class LLMEngine:
         state = self.output.pop(request_id)
         if state is not None:
             compiling = self.structured.discard(state.members)
+            compiling.update(r.request_id for r in self.decode_import.discard(state.members))  # its tier load
             for request in state.members:
                 if request.request_id in compiling:
                     if request.status == RequestStatus.RUNNING:  # a committed hand-over holds its blocks
@@ -167,7 +168,8 @@ class LLMEngine:
         return request_id in self.output or request_id in self.decode_import or request_id in self.prefill_export
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.structured.pending)
+        return (self.scheduler.has_unfinished_requests() or bool(self.structured.pending)
+                or bool(self.decode_import.loading))
 
     @property
     def num_waiting(self) -> int:
@@ -185,6 +187,11 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        for request in self.decode_import.take_loaded():  # committed hand-overs whose tier load is in
+            if request.grammar is not None and not request.grammar.is_ready:
+                self.structured.pending.append(request)
+            else:
+                self.scheduler.add_running(request)
         for request in self.structured.take_ready():
             if request.status == RequestStatus.RUNNING:  # committed from a hand-over: its KV is all there
                 self.scheduler.add_running(request)
@@ -262,7 +269,9 @@ class LLMEngine:
     def reserve(self, request_id: str, prompt_token_ids: list[int],
                 cache_salt: str | None = None) -> tuple[int, int] | None:
         """Reserve blocks for a prompt whose KV will arrive over the wire: ``(num_blocks, num_cached_blocks)``,
-        or ``None`` when the pool is short right now (``DecodeImport.reserve``)."""
+        or ``None`` when the pool is short right now (``DecodeImport.reserve``). Cached blocks include those the
+        offloading tiers hold: they load while the batch keeps stepping, and the committed request joins the batch
+        once they are in."""
         if self.owns(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         placeholder = self.input.new_request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), 1,
@@ -299,7 +308,12 @@ class LLMEngine:
         self._append_token(request, first_token_id, None, time.time(), sampled_here=False)
         advance_generator(request.generator, 1, self.vocab_size)  # keep a seeded generator in step
         self.output.mark_sent(request)  # the prefill pod sent it already
-        if request.grammar is not None and not request.grammar.is_ready and not request.is_finished:
+        if request in self.decode_import.loading:
+            if request.is_finished:  # by its first token: its blocks are freed already (the load's once it is done)
+                self.decode_import.discard([request])
+            else:  # its tier load is not in yet: out of the batch until ``step`` finds it in; the batch keeps stepping
+                self.scheduler.detach(request)
+        elif request.grammar is not None and not request.grammar.is_ready and not request.is_finished:
             # a first compile on this pod: the request keeps its blocks but leaves the batch until it is compiled
             # (``step`` puts it back), so the batch keeps stepping
             self.scheduler.detach(request)

@@ -294,7 +294,7 @@ class Scheduler:
                 allocated = self.kv.allocate_slots(request, num_new)  # the swapped-in blocks cover all but new slots
                 assert allocated is not None, "swap-in checked the blocks it needs"
             else:
-                computed, num_computed = self.kv.get_computed_blocks(request, load_from_tiers=False)
+                computed, num_computed = self.kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_computed, budget)
                 if self.kv.allocate_slots(request, num_new, computed) is None:
                     break
