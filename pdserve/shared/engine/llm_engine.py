@@ -71,7 +71,8 @@ class LLMEngine:
         swap = SwapManager(self.kv_manager, plan.num_cpu_blocks) if plan.num_cpu_blocks else None
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.preemption_mode, swap,
-                                   config.srpt_aging_tokens_per_s)
+                                   config.srpt_aging_tokens_per_s, config.long_prefill_token_threshold,
+                                   config.max_long_partial_prefills)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, config.device)
         self.runner.graphs = build_decode_graphs(config, self.backend, self.model, self.runner.kv_caches,
                                                  self.max_model_len)
