@@ -191,6 +191,7 @@ FORWARDED = [(WorkerSettings, "dtype"), (WorkerSettings, "max_model_len"), (Work
              (RouterSettings, "chat_template"), (RouterSettings, "tool_call_parser"),
              (RouterSettings, "enable_auto_tool_choice"), (RouterSettings, "prefill_stall_s"),
              (DecodeSettings, "lease_ttl_s"), (PrefillSettings, "srpt_aging_tokens_per_s"),
+             (PrefillSettings, "long_prefill_token_threshold"), (WorkerSettings, "max_long_partial_prefills"),
              (WorkerSettings, "speculative_config"), (WorkerSettings, "kv_transfer_config"),
              (WorkerSettings, "device"), (WorkerSettings, "enforce_eager"),
              (WorkerSettings, "max_cudagraph_capture_size"), (WorkerSettings, "kv_offloading_size"),

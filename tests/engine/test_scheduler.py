@@ -216,3 +216,54 @@ def test_srpt_scheduler_prefills_in_aged_order_and_a_client_priority_still_comes
             if r.num_output_tokens:
                 sched.detach(r)
     assert order == ["urgent", "short", "long"]
+
+
+def make_long(threshold: int, max_long: int = 1, budget: int = 64, policy: str = "fcfs") -> Scheduler:
+    return Scheduler(KVCacheManager(128, BLOCK, True), 8, budget, 1024, policy,
+                     long_prefill_token_threshold=threshold, max_long_partial_prefills=max_long)
+
+
+def test_long_prefill_threshold_chunks_a_long_prompt_and_lets_short_ones_pass_it():
+    # vLLM's long_prefill_token_threshold / max_long_partial_prefills: one long prompt at a time, T tokens a step
+    sched = make_long(threshold=8)
+    sched.add_request(req("long1", list(range(30))))
+    sched.add_request(req("long2", list(range(100, 130))))
+    sched.add_request(req("short", list(range(200, 206))))
+    # long2 waits (one long prefill at a time) and the short prompt behind it starts now
+    assert step(sched) == [("long1", 8), ("short", 6)]
+    assert step(sched) == [("long1", 8), ("short", 1)]
+    assert step(sched) == [("long1", 8), ("short", 1)]
+    # long1's last 6 tokens are not "long" any more: long2 starts beside them
+    assert step(sched) == [("long1", 6), ("short", 1), ("long2", 8)]
+
+
+def test_without_a_threshold_the_long_prompt_takes_the_budget_first():
+    sched = make_long(threshold=0)
+    sched.add_request(req("long1", list(range(30))))
+    sched.add_request(req("long2", list(range(100, 130))))
+    sched.add_request(req("short", list(range(200, 206))))
+    assert step(sched) == [("long1", 30), ("long2", 30), ("short", 4)]
+
+
+def test_two_long_partial_prefills_when_allowed_and_a_cached_prefix_makes_a_prompt_short():
+    sched = make_long(threshold=8, max_long=2)
+    sched.add_request(req("a", list(range(20))))
+    sched.add_request(req("b", list(range(100, 120))))
+    sched.add_request(req("c", list(range(300, 320))))
+    assert step(sched) == [("a", 8), ("b", 8)]  # c waits: two long ones run
+    sched = make_long(threshold=8)
+    first = req("first", list(range(24)))
+    sched.add_request(first)
+    while not first.output_token_ids:
+        step(sched)
+    sched.finish_request(first, RequestStatus.FINISHED_STOPPED)  # its 6 full blocks stay in the prefix cache
+    sched.add_request(req("long", list(range(500, 540))))
+    sched.add_request(req("again", list(range(24)) + [7, 7, 7]))  # 24 tokens cached, 3 left: not long
+    assert step(sched) == [("long", 8), ("again", 3)]
+
+
+def test_threshold_and_cap_are_checked():
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        make_long(threshold=-1)
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        make_long(threshold=8, max_long=0)

@@ -130,14 +130,24 @@ class Recording(PdPolicy):
 @pytest.mark.parametrize("mode", ["kv", "least_loaded", "round_robin"])
 async def test_every_routing_mode_asks_the_policy_with_the_prefill_queue_it_reports(registry, mode):
     await registry.heartbeat(pod("d0", num_running=2))
-    await registry.heartbeat(pod("p0", role="prefill", queued_prefill_tokens=BACKLOG))
+    # the pod's queue as a prefill pod reports it: eight long prompts, no threshold, a measured 1000 tokens/s
+    await registry.heartbeat(pod("p0", role="prefill", queued_prefill_tokens=BACKLOG, queued_long_prefill_tokens=0,
+                                 prefill_tokens_per_s=1000.0))
     d = Dispatcher(None, registry, DispatchConfig(cache_s=0.0, routing=RoutingConfig(mode)), rng=random.Random(0))
     d.placer.policy = policy = Recording()
     short = PREFIX[:64]
     placed = await d.place(len(short), short)
     assert (placed.pod.pod_id, placed.local_prefill, placed.why) == ("d0", True, "lower_ttft")
     (case,) = policy.cases
-    assert (case.tokens, case.tier, case.pod.num_running) == (64, PrefillTier(1, BACKLOG), 2)
+    assert (case.tokens, case.tier, case.pod.num_running) == (64, PrefillTier(1, BACKLOG, 0, 0, 1000.0), 2)
+    # the same backlog of long prompts prefilled in chunks of 256, short ones passing them: the short prompt waits
+    # for one chunk and goes remote
+    await registry.heartbeat(pod("p0", role="prefill", queued_prefill_tokens=BACKLOG,
+                                 queued_long_prefill_tokens=BACKLOG, long_prefill_token_threshold=256,
+                                 prefill_tokens_per_s=1000.0))
+    placed = await d.place(len(short), short)
+    assert (placed.local_prefill, placed.why) == (False, "ttft_slo_met")
+    assert policy.cases[-1].tier == PrefillTier(1, BACKLOG, BACKLOG, 256, 1000.0)
     # the backlog drains and the decode pod is idle: the long prompt goes to the idle tier
     await registry.heartbeat(pod("d0"))
     await registry.heartbeat(pod("p0", role="prefill", queued_prefill_tokens=0))
@@ -158,3 +168,36 @@ async def test_the_dispatcher_builds_the_policy_the_settings_name(registry):
     placed = await d.place(64, PREFIX[:64])
     assert (placed.local_prefill, placed.why) == (False, "default")  # threshold: the backlog does not count
     assert isinstance(Dispatcher(None, registry, DispatchConfig()).placer.policy, QueueAwarePolicy)
+
+
+def test_a_short_prompt_waits_for_one_chunk_of_the_long_prompts_not_their_whole_prefill():
+    # 4 long prompts (4096 tokens) and 2 short ones (128) queued on one prefill pod that prefills long prompts in
+    # chunks of 256 tokens: a 64-token prompt waits for the 128 short tokens and one chunk, (128 + 256 + 64) / 1000
+    tier = PrefillTier(1, queued_tokens=4096 + 128, queued_long_tokens=4096, long_threshold=256)
+    d = QueueAwarePolicy(CONFIG).decide(PrefillCase(decode_pod(running=2), 64, tier))
+    assert (d.local, d.reason) == (False, "ttft_slo_met")
+    assert d.estimates["remote"] == pytest.approx(0.448)
+    # a long prompt waits for everything queued: (4224 + 1024) / 1000
+    d = QueueAwarePolicy(CONFIG).decide(PrefillCase(decode_pod(), 1024, tier))
+    assert d.estimates["remote"] == pytest.approx(5.248)
+    # pods without a threshold (older ones, or 0): FIFO over the whole queue
+    flat = PrefillTier(1, queued_tokens=4096 + 128, queued_long_tokens=0, long_threshold=0)
+    d = QueueAwarePolicy(CONFIG).decide(PrefillCase(decode_pod(running=2), 64, flat))
+    assert (d.local, d.estimates["remote"]) == (True, pytest.approx(4.288))
+
+
+def test_the_measured_prefill_rate_replaces_the_setting():
+    # the pods measured 100 tokens/s (a loaded host), not the 1000 configured: 1024 queued tokens are 10 s, not 1 s
+    slow = PrefillTier(1, queued_tokens=1024, tokens_per_s=100.0)
+    d = QueueAwarePolicy(CONFIG).decide(PrefillCase(decode_pod(), 64, slow))
+    assert (d.local, d.reason) == (True, "lower_ttft")
+    assert d.estimates == pytest.approx({"remote": 10.88, "local": 0.64})
+    # and a step of a busy decode pod is estimated at that rate too: (2 + 64) / 100 tok/s = 660 ms > 100 ms
+    d = QueueAwarePolicy(CONFIG).decide(PrefillCase(decode_pod(running=2), 64, slow))
+    assert (d.local, d.reason) == (False, "tpot_slo") and "660 ms" in d.detail
+    tier = PrefillTier.of([SimpleNamespace(queued_prefill_tokens=100, queued_long_prefill_tokens=0,
+                                           long_prefill_token_threshold=256, prefill_tokens_per_s=300.0),
+                           SimpleNamespace(queued_prefill_tokens=2000, queued_long_prefill_tokens=2000,
+                                           long_prefill_token_threshold=256, prefill_tokens_per_s=500.0),
+                           SimpleNamespace(queued_prefill_tokens=0)])  # a pod that measured nothing yet
+    assert tier == PrefillTier(3, 2100, 2000, 256, 400.0)

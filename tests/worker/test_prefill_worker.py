@@ -105,15 +105,20 @@ def test_after_redis_lost_its_data_an_ack_is_a_no_op_and_the_group_is_made_again
     assert delivered == ["cmpl-4-0"]  # made at id 0: the entry queued before the group is delivered
 
 
-def test_the_registration_reports_the_prompt_tokens_it_holds_and_no_kv_port(redis_url):
+def test_the_registration_reports_the_prompt_tokens_still_to_prefill_the_long_ones_and_no_kv_port(redis_url):
     async def scenario(w: PrefillWorker):
         w.http_port = 8002
-        w.inflight = {"a": ("1-0", request("a", 3)), "b": ("2-0", request("b", 5))}
+        w.inflight = {"a": ("1-0", request("a", 3)), "b": ("2-0", request("b", 5)), "c": ("3-0", request("c", 300)),
+                      "d": ("4-0", request("d", 700))}
+        w.prefilled.add("d")  # its first token is out: it waits for its hand-over, the prefill tier is done with it
         return await w.pod_info()
 
     info = run(redis_url, scenario)
     assert (info.role, info.pod_id, info.queued_prefill_tokens, info.kv_port, info.colocated) == \
-        ("prefill", "prefill-0", 8, 0, False)
+        ("prefill", "prefill-0", 308, 0, False)
+    # c is over the default threshold of 256 tokens: it prefills in chunks while shorter prompts pass it
+    assert (info.queued_long_prefill_tokens, info.long_prefill_token_threshold, info.prefill_tokens_per_s) == \
+        (300, 256, 0.0)  # no engine ran here: nothing measured, routers use --prefill-tokens-per-s
 
 
 @pytest.mark.slow

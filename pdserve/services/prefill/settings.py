@@ -53,6 +53,13 @@ class PrefillSettings(WorkerSettings):
     srpt_aging_tokens_per_s: float = Field(200.0, ge=0, description=(
         "srpt: tokens a waiting prompt's rank drops per second waited (its starvation bound is (S-1)/A s)."))
 
+    # A prefill pod's step has no decodes to protect, so its length is only what a newly queued prompt waits for: a
+    # long prompt prefills in chunks of this many tokens, one long prompt at a time, and short prompts queued
+    # behind it start at the next chunk instead of after its whole prefill (vLLM's long_prefill_token_threshold and
+    # max_long_partial_prefills; measured in `pdserve bench pd-vs-colocated`, pdserve/loadtest/README.md).
+    long_prefill_token_threshold: int = Field(256, ge=0, description=(
+        "Tokens a prompt prefills per step at most; prompts with more left are long (0: no cap)."))
+
     def engine_config(self):
         # A prefill pod runs prefill steps only (every request parks after its first token), so decode-batch CUDA
         # graphs would cost start-up time and GPU memory for nothing: always eager here.

@@ -36,6 +36,7 @@ from pdserve.shared.worker.redis_retry import retry_redis
 from pdserve.shared.worker.tracked import Tracked
 
 from pdserve.services.prefill.handover import KVHandover, RequestAborted
+from pdserve.services.prefill.rate import PrefillRate
 from pdserve.services.prefill.settings import PrefillSettings
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class PrefillWorker(Worker):
         self.transfers: set[asyncio.Task] = set()
         self.admissions: set[asyncio.Task] = set()  # batches read from the queue, waiting to reach the engine
         self.waiting_kv_bytes = 0  # exported KV of transfers not finished yet
+        self.prefilled: set[str] = set()  # held requests whose first token is out (waiting for their hand-over)
+        self.rate = PrefillRate()
 
     async def start_role(self) -> None:
         t = self.settings.kv_transfer_timeout_s
@@ -85,12 +88,28 @@ class PrefillWorker(Worker):
         stats.update(kv_waiting_requests=len(self.handover.waiting), kv_waiting_bytes=self.waiting_kv_bytes)
         return stats
 
+    def _to_prefill(self) -> list[int]:
+        """Per held queue entry not prefilled yet, the tokens its prefill computes (prompt, and a resumed request's
+        output); an entry whose first token is out waits only for its hand-over and costs the prefill tier nothing."""
+        return [len(r.prompt_token_ids) + len(r.output_token_ids)
+                for rid, (_, r) in self.inflight.items() if rid not in self.prefilled]
+
     def queued_prefill_tokens(self) -> int:
-        """Prompt tokens of the queue entries this worker holds (prefilling or transferring)."""
-        return sum(len(r.prompt_token_ids) for _, r in self.inflight.values())
+        """Tokens of the queue entries this worker holds and has not prefilled yet."""
+        return sum(self._to_prefill())
 
     def pod_fields(self) -> dict:
-        return {"queued_prefill_tokens": self.queued_prefill_tokens()}
+        """What routers estimate this pod's TTFT from (``pd_policy.PrefillTier``): the tokens queued to prefill, those of
+        long prompts (over ``long_prefill_token_threshold``: prefilled in chunks, one at a time, while shorter ones pass
+        them), and the measured prefill rate."""
+        if self.stats is not None:
+            self.rate.add(time.monotonic(), self.stats.prompt_tokens_computed, self.stats.busy_seconds)
+        threshold = self.settings.long_prefill_token_threshold
+        queued = self._to_prefill()
+        return {"queued_prefill_tokens": sum(queued),
+                "queued_long_prefill_tokens": sum(n for n in queued if 0 < threshold < n),
+                "long_prefill_token_threshold": threshold,
+                "prefill_tokens_per_s": round(self.rate.tokens_per_s(), 1)}
 
     # queue
     async def _consume(self) -> None:
@@ -325,6 +344,7 @@ class PrefillWorker(Worker):
             return [bool(n) for n in await pipe.execute()]
 
     def _forget(self, request_id: str) -> None:
+        self.prefilled.discard(request_id)
         if self.inflight.pop(request_id, None) is not None:
             self._slots.release()
         info = self.requests.pop(request_id, None)
@@ -363,6 +383,7 @@ class PrefillWorker(Worker):
             if rid not in tracked or rid not in self.inflight:
                 continue
             msg_id, req = self.inflight[rid]
+            self.prefilled.add(rid)
             if rid not in exported:  # finished by its first token
                 self._forget(rid)
                 await self._ack(msg_id)

@@ -6,19 +6,23 @@ does and hands the KV over ("remote": ``pdserve:{q-prefill}:queue``). Filters dr
 the first filter that leaves one path decides it, and its name is the decision's reason. When both remain, the
 scorers estimate each path's TTFT and the picker takes one.
 
-``queue-aware`` (default) estimates, with ``r`` the prefill rate of one pod (``--prefill-tokens-per-s``, tokens/s),
-``S`` the tokens to prefill, ``Q`` the prompt tokens the ``P`` live prefill pods report queued
-(``PodInfo.queued_prefill_tokens``), ``B`` a decode pod's step budget (``--max-num-batched-tokens``) and ``R``
-the chosen decode pod's running + waiting requests (each one decode token per step):
+``queue-aware`` (default) estimates, with ``r`` the prefill rate of one pod (the prefill pods' measured prompt
+tokens per second of engine steps, ``PodInfo.prefill_tokens_per_s``; ``--prefill-tokens-per-s`` until one is
+measured), ``S`` the tokens to prefill, ``Q`` the tokens the ``P`` live prefill pods hold and have not prefilled
+(``PodInfo.queued_prefill_tokens``), ``Q_long`` those of long prompts (over the pods' ``long_prefill_token_threshold``
+``T``), ``B`` a decode pod's step budget (``--max-num-batched-tokens``) and ``R`` the chosen decode pod's running +
+waiting requests (each one decode token per step):
 
-    TTFT_remote = (Q / P + S) / r
+    ahead       = (Q - Q_long) / P + min(Q_long / P, T)   for S <= T (long prompts prefill T tokens a step, one at
+                = Q / P                                   otherwise   a time, and shorter prompts pass them)
+    TTFT_remote = (ahead + S) / r
     TTFT_local  = S / (r * slack / B),      slack = max(B - R, 1)   (its steps give decodes their tokens first)
     step_local  = (R + min(S, slack)) / r                           (a step of that pod while it prefills S)
 
-Local is dropped when the pod has running requests and ``step_local`` exceeds ``--tpot-slo-ms`` (their TPOT).
-Remote is kept when ``TTFT_remote`` meets ``--ttft-slo-ms`` (the decode pods stay free for decoding); otherwise
-the lower estimate wins, remote on a tie (with an idle tier the estimates are equal: remote). ``threshold`` is the
-rule before it: local only at or under the threshold, or for a short prompt with no prefill pod alive.
+Local is dropped when the pod has running requests and ``step_local`` exceeds ``--tpot-slo-ms`` (their TPOT). Remote is kept when ``TTFT_remote`` meets ``--ttft-slo-ms`` (the
+decode pods stay free for decoding); otherwise the lower estimate wins, remote on a tie (with an idle tier the
+estimates are equal: remote). ``threshold`` is the rule before it: local only at or under the threshold, or for a
+short prompt with no prefill pod alive.
 """
 
 from __future__ import annotations
@@ -37,16 +41,38 @@ REASONS: tuple[str, ...] = ("colocated", "threshold", "no_prefill_pod", "tpot_sl
 
 @dataclass(slots=True)
 class PrefillTier:
-    """The prefill tier as the last registry answer shows it: live pods and the prompt tokens they hold."""
+    """The prefill tier as the last registry answer shows it: live pods, the tokens they hold to prefill (all, and
+    those of long prompts), the pods' long-prompt threshold (0: none) and their measured prefill rate (tokens/s per
+    pod; 0: none measured yet)."""
 
     pods: int
     queued_tokens: int = 0
+    queued_long_tokens: int = 0
+    long_threshold: int = 0
+    tokens_per_s: float = 0.0
 
     @classmethod
     def of(cls, pods: Sequence[Any], count: int | None = None) -> PrefillTier:
         """From the registry's prefill pods (``count``: a fresher pod count, e.g. the kv lookup's)."""
-        queued = sum(int(getattr(p, "queued_prefill_tokens", 0) or 0) for p in pods)
-        return cls(len(pods) if count is None else count, queued)
+        def total(name: str) -> int:
+            return sum(int(getattr(p, name, 0) or 0) for p in pods)
+
+        rates = [float(getattr(p, "prefill_tokens_per_s", 0) or 0) for p in pods]
+        rates = [r for r in rates if r > 0]
+        return cls(len(pods) if count is None else count, total("queued_prefill_tokens"),
+                   total("queued_long_prefill_tokens"),
+                   max((int(getattr(p, "long_prefill_token_threshold", 0) or 0) for p in pods), default=0),
+                   sum(rates) / len(rates) if rates else 0.0)
+
+    def ahead(self, tokens: int) -> float:
+        """Tokens a prompt of ``tokens`` waits for on one pod: its share of the queue, of which a prompt at or under
+        the long threshold waits for only one chunk of the long prompts (they prefill a chunk per step while shorter
+        ones pass them: ``scheduler``'s long_prefill_token_threshold)."""
+        pods = max(self.pods, 1)
+        if 0 < tokens <= self.long_threshold:
+            short = (self.queued_tokens - self.queued_long_tokens) / pods
+            return short + min(self.queued_long_tokens / pods, self.long_threshold)
+        return self.queued_tokens / pods
 
 
 @dataclass(slots=True)
@@ -160,7 +186,7 @@ class TpotSlo:
         batch = running_batch(case.pod)
         if batch == 0 or c.tpot_slo_ms <= 0 or LOCAL not in paths:
             return paths, ""
-        step_ms = 1000.0 * (batch + min(case.tokens, slack(batch, c))) / c.prefill_tokens_per_s
+        step_ms = 1000.0 * (batch + min(case.tokens, slack(batch, c))) / rate(case, c)
         if step_ms <= c.tpot_slo_ms:
             return paths, ""
         return [p for p in paths if p != LOCAL], (f"a local prefill step of ~{step_ms:.0f} ms for {batch} running "
@@ -174,10 +200,10 @@ class TtftEstimate:
     name: str = "ttft_estimate"
 
     def score(self, case, path):
-        c, r = self.config, self.config.prefill_tokens_per_s
+        c = self.config
         if path == REMOTE:
-            return (case.tier.queued_tokens / max(case.tier.pods, 1) + case.tokens) / r
-        return case.tokens / (r * slack(running_batch(case.pod), c) / c.step_budget_tokens)
+            return remote_ttft(case, c)
+        return case.tokens / (rate(case, c) * slack(running_batch(case.pod), c) / c.step_budget_tokens)
 
 
 # pickers
@@ -205,6 +231,16 @@ class LowestTtft:
         if local is None or (remote is not None and remote <= local):
             return REMOTE, self.name, f"TTFT {text}"
         return LOCAL, self.name, f"TTFT {text}"
+
+
+def rate(case: PrefillCase, config: PolicyConfig) -> float:
+    """Prefill tokens/s of one pod: the prefill tier's measured rate, else ``--prefill-tokens-per-s``."""
+    return case.tier.tokens_per_s or config.prefill_tokens_per_s
+
+
+def remote_ttft(case: PrefillCase, config: PolicyConfig) -> float:
+    """Estimated TTFT (s) on the prefill tier: the tokens ahead of the prompt, then its own, at the tier's rate."""
+    return (case.tier.ahead(case.tokens) + case.tokens) / rate(case, config)
 
 
 def running_batch(pod: Any) -> int:

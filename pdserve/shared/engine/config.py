@@ -39,6 +39,9 @@ class EngineConfig:
     scheduling_policy: ``fcfs`` or ``priority`` (lower value first, then arrival; vLLM's convention), or ``srpt``:
         shortest remaining prefill first, aged by ``srpt_aging_tokens_per_s`` tokens per second waited
         (``scheduler.SRPTQueue``, which states its starvation bound; prefill pods' default).
+    long_prefill_token_threshold / max_long_partial_prefills: vLLM's names: with a threshold T > 0, a request computes
+        at most T tokens per step and at most ``max_long_partial_prefills`` prompts with more than T tokens left are in
+        prefill at once, so short prompts behind a long one are not held for its whole prefill (``scheduler``).
     attention_backend: ``auto`` | ``cpu`` | ``torch`` | ``triton`` (``pdserve/kernels/backend.py``).
     tensor_parallel_size: ranks (processes) the model's heads are split over, Megatron-style; 1 runs in-process
         (``pdserve/shared/engine/tp_executor.py``).
@@ -77,6 +80,8 @@ class EngineConfig:
     swap_space_bytes: int | str = 256 * 1024**2
     scheduling_policy: str = "fcfs"
     srpt_aging_tokens_per_s: float = 200.0
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
     attention_backend: str = "auto"
     device: str = "cpu"
     seed: int = 0
@@ -109,6 +114,8 @@ class EngineConfig:
             ("scheduling_policy", self.scheduling_policy in ("fcfs", "priority", "srpt"),
              "'fcfs', 'priority' or 'srpt'"),
             ("srpt_aging_tokens_per_s", self.srpt_aging_tokens_per_s >= 0, ">= 0"),
+            ("long_prefill_token_threshold", self.long_prefill_token_threshold >= 0, ">= 0"),
+            ("max_long_partial_prefills", self.max_long_partial_prefills >= 1, ">= 1"),
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
              "float32, bfloat16, float16 or auto"),
             ("attention_backend", self.attention_backend in ("auto", "cpu", "torch", "triton"), "auto, cpu, torch or triton"),

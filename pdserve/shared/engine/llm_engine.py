@@ -71,7 +71,8 @@ class LLMEngine:
         swap = SwapManager(self.kv_manager, plan.num_cpu_blocks) if plan.num_cpu_blocks else None
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.preemption_mode, swap,
-                                   config.srpt_aging_tokens_per_s)
+                                   config.srpt_aging_tokens_per_s, config.long_prefill_token_threshold,
+                                   config.max_long_partial_prefills)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, config.device)
         self.runner.graphs = build_decode_graphs(config, self.backend, self.model, self.runner.kv_caches,
                                                  self.max_model_len)
@@ -82,6 +83,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.input = InputProcessor(self.vocab_size, self.max_model_len, self.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self._steps_timed = 0  # EngineCounters.num_steps when ``step`` last added to ``busy_seconds``
         self.prefill_export = PrefillExport(self.scheduler, self.kv_manager, self.kv_cache)
         self.decode_import = DecodeImport(self.scheduler, self.kv_manager, self.kv_cache)
         self.stats = EngineCounters()
@@ -181,7 +183,11 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return outputs for every request that progressed.
         The outputs are snapshots: later steps never change them, so another thread may read them. With a
         ``step_log``, the step's prefill chunks and preemptions are recorded there (tracing)."""
+        started = time.perf_counter()
         outputs = self._step()
+        if self.stats.num_steps != self._steps_timed:  # a step that ran the model (``_step`` returns early otherwise)
+            self._steps_timed = self.stats.num_steps
+            self.stats.busy_seconds += time.perf_counter() - started
         if self.step_log is not None:
             self.step_log.end()
         return outputs

@@ -8,6 +8,13 @@ when the budget is short) as many tokens as the budget ``max_num_batched_tokens`
 (free its blocks; it rejoins the front of the queue) or by swap (copy its blocks to the CPU pool).
 ``srpt`` orders the waiting queue by shortest remaining prefill with aging (``SRPTQueue``: prefill pods).
 
+Long prompts (vLLM's ``long_prefill_token_threshold`` and ``max_long_partial_prefills``): with a threshold T > 0, a
+request gets at most T new tokens per step, and at most ``max_long_partial_prefills`` requests with more than T
+prompt tokens still to compute are in prefill at once; a long waiting prompt beyond that keeps its place while
+shorter ones behind it start. A step then holds at most T tokens of each long prompt, so a short prompt that
+arrives behind a long one waits one such step, not the long prompt's whole prefill (a prefill pod's step has no
+decodes to protect; its length is what a newly queued prompt waits).
+
 Speculative decoding is the same rule: a decoding request with k draft tokens asks for k + 1 slots (the
 budget counts the drafts; a short budget or a short pool trims them first); the engine rolls
 ``num_computed_tokens`` and the emptied blocks back after verification.
@@ -202,8 +209,16 @@ class Scheduler:
         preemption_mode: str = "recompute",
         swap_manager: SwapManager | None = None,
         aging_tokens_per_s: float = 200.0,
+        long_prefill_token_threshold: int = 0,
+        max_long_partial_prefills: int = 1,
     ) -> None:
+        if long_prefill_token_threshold < 0 or max_long_partial_prefills < 1:
+            raise ValueError("long_prefill_token_threshold must be >= 0 and max_long_partial_prefills >= 1, got "
+                             f"{long_prefill_token_threshold} and {max_long_partial_prefills}")
         self.kv = kv_cache_manager
+        self._long_prefills = 0  # running requests with more than the threshold still to compute (this step)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_long_partial_prefills = max_long_partial_prefills
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -249,6 +264,7 @@ class Scheduler:
         self.kv.reap_loads()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        self._long_prefills = sum(1 for r in self.running if self._is_long(r))
 
         # running requests (decodes and unfinished prefill chunks) first
         i = 0
@@ -280,22 +296,29 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
         """Waiting requests (new prefills, recomputes, swap-ins), only when nothing was preempted. One whose prefix
-        blocks are loading from an offloading tier is skipped this step and keeps its place in the queue."""
-        loading: list[Request] = []
+        blocks are loading from an offloading tier, or a long one while the long prefills are at their cap, is
+        skipped this step and keeps its place in the queue."""
+        loading: list[Request] = []  # skipped this step, back in place afterwards (blocks loading, or long)
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.status != RequestStatus.SWAPPED and self.kv.is_loading(request):
                 loading.append(self.waiting.pop())
                 continue
             if request.status == RequestStatus.SWAPPED:
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if self._long_blocked(request, request.num_computed_tokens):
+                    loading.append(self.waiting.pop())
+                    continue
+                num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
                 if not self._swap_in(request, num_new, out):
                     break
                 allocated = self.kv.allocate_slots(request, num_new)  # the swapped-in blocks cover all but new slots
                 assert allocated is not None, "swap-in checked the blocks it needs"
             else:
                 computed, num_computed = self.kv.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_computed, budget)
+                if self._long_blocked(request, num_computed):
+                    loading.append(self.waiting.pop())
+                    continue
+                num_new = self._chunk(request.num_tokens - num_computed, budget)
                 if self.kv.allocate_slots(request, num_new, computed) is None:
                     break
                 self.kv.record_prefix_cache_stats(request, num_computed,
@@ -304,6 +327,8 @@ class Scheduler:
                     request.num_cached_tokens = num_computed
                 request.num_computed_tokens = num_computed
             self.waiting.pop()
+            if self._is_long(request):
+                self._long_prefills += 1
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
@@ -312,10 +337,25 @@ class Scheduler:
         for request in reversed(loading):
             self.waiting.add_front(request)
 
+    def _is_long(self, request: Request, num_computed: int | None = None) -> bool:
+        """Whether ``request`` has more than ``long_prefill_token_threshold`` (> 0) tokens still to compute."""
+        threshold = self.long_prefill_token_threshold
+        done = request.num_computed_tokens if num_computed is None else num_computed
+        return 0 < threshold < request.num_tokens - done
+
+    def _long_blocked(self, request: Request, num_computed: int) -> bool:
+        """A long waiting prompt while ``max_long_partial_prefills`` long ones are in prefill: it waits this step."""
+        return self._is_long(request, num_computed) and self._long_prefills >= self.max_long_partial_prefills
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens one request computes this step: its ``remaining`` ones, within the budget and the threshold."""
+        threshold = self.long_prefill_token_threshold
+        return min(remaining, budget, threshold) if threshold > 0 else min(remaining, budget)
+
     def _num_new_running(self, request: Request, budget: int) -> int:
         """Tokens a running request asks for: its uncomputed tokens, plus its drafts when decoding; drafts
         the budget or the free blocks cannot hold are dropped (before anyone is preempted for them)."""
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
         spec = request.spec_token_ids
         if spec:
             del spec[max(0, budget - num_new):]

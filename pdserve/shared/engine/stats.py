@@ -18,7 +18,8 @@ class EngineCounters:
     the first time; ``prompt_tokens_recomputed``: tokens run again after a recompute preemption;
     ``generation_tokens``: tokens appended as output (a decode pod counts the first token the prefill pod handed
     over); ``sampled_tokens``: tokens this engine sampled itself. ``peak_*``: highest since the last
-    ``reset_peaks``."""
+    ``reset_peaks``. ``busy_seconds``: wall seconds of the steps that ran the model (a prefill pod's prompt
+    tokens per busy second is its measured prefill rate, which routers use to estimate TTFT)."""
 
     prompt_tokens_computed: int = 0
     prompt_tokens_recomputed: int = 0
@@ -28,6 +29,7 @@ class EngineCounters:
     peak_kv_tokens_live: int = 0
     peak_num_running: int = 0
     num_steps: int = 0
+    busy_seconds: float = 0.0
 
     def count_scheduled(self, out: SchedulerOutput) -> None:
         """Split the step's prompt tokens into first computations and recomputations."""
@@ -46,7 +48,7 @@ class EngineCounters:
     def reset_peaks(self) -> None:
         self.peak_kv_blocks_used = self.peak_kv_tokens_live = self.peak_num_running = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | float]:
         return asdict(self)
 
 
@@ -92,6 +94,7 @@ class EngineStats:
     peak_kv_tokens_live: int = 0
     peak_num_running: int = 0
     num_steps: int = 0
+    busy_seconds: float = 0.0
     # speculative decoding
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

@@ -52,7 +52,13 @@ class PodInfo(BaseModel):
     free_blocks: int = Field(0, ge=0)
     num_running: int = Field(0, ge=0)
     num_waiting: int = Field(0, ge=0)
+    # a prefill pod's queue as routers estimate its TTFT from it (pdserve/services/router/pd_policy.py): tokens of the
+    # prompts it holds and has not prefilled, those of long ones (over its long_prefill_token_threshold, 0: none), and
+    # its measured prompt tokens per second of engine steps (0: not measured yet)
     queued_prefill_tokens: int = Field(0, ge=0)
+    queued_long_prefill_tokens: int = Field(0, ge=0)
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    prefill_tokens_per_s: float = Field(0.0, ge=0)
     colocated: bool = False
     # the engine's context length (it may be below the model's when the KV cache is small); 0 = not reported
     max_model_len: int = Field(0, ge=0)

@@ -70,6 +70,11 @@ class WorkerSettings(ServiceSettings):
     max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
     max_num_seqs: int = Field(64, ge=1, description="Requests per batch.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget per step.")
+    # vLLM's names (pdserve/shared/engine/scheduler.py): off (0) by default here; prefill pods set their own default
+    long_prefill_token_threshold: int = Field(0, ge=0, description=(
+        "Tokens a request computes per step at most; prompts with more left are long (0: no cap)."))
+    max_long_partial_prefills: int = Field(1, ge=1, description=(
+        "Long prompts (over --long-prefill-token-threshold) in prefill at once; shorter ones may pass them."))
     enable_prefix_caching: bool = Field(True, description="Prefix caching.")
     # publish the prefix cache's block events to the registry (KV-aware routing)
     enable_kv_events: bool = Field(True, description=(
@@ -116,6 +121,8 @@ class WorkerSettings(ServiceSettings):
         return EngineConfig(
             model=self.model, dtype=self.dtype, block_size=self.block_size, max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_long_partial_prefills=self.max_long_partial_prefills,
             enable_prefix_caching=self.enable_prefix_caching, kv_cache_memory_bytes=self.kv_cache_memory,
             preemption_mode=self.preemption_mode, attention_backend=self.attention_backend, device=self.device,
             enable_kv_events=self.enable_kv_events and self.enable_prefix_caching,
