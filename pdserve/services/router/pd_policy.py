@@ -17,7 +17,8 @@ waiting requests (each one decode token per step):
                 = Q / P                                   otherwise   a time, and shorter prompts pass them)
     TTFT_remote = (ahead + S) / r
     TTFT_local  = S / (r * slack / B),      slack = max(B - R, 1)   (its steps give decodes their tokens first)
-    step_local  = (R + min(S, slack)) / r                           (a step of that pod while it prefills S)
+    step_local  = (R + min(S, slack)) / r_set                       (a step of that pod while it prefills S;
+                                                                     r_set = --prefill-tokens-per-s)
 
 Local is dropped when the pod has running requests and ``step_local`` exceeds ``--tpot-slo-ms`` (their TPOT). Remote is kept when ``TTFT_remote`` meets ``--ttft-slo-ms`` (the
 decode pods stay free for decoding); otherwise the lower estimate wins, remote on a tie (with an idle tier the
@@ -186,7 +187,11 @@ class TpotSlo:
         batch = running_batch(case.pod)
         if batch == 0 or c.tpot_slo_ms <= 0 or LOCAL not in paths:
             return paths, ""
-        step_ms = 1000.0 * (batch + min(case.tokens, slack(batch, c))) / rate(case, c)
+        # The configured rate, not the prefill pods' measured one: this models a decode pod's step (its decode tokens
+        # counted like prompt tokens), which the prefill pods' rate does not measure, so --prefill-tokens-per-s stays
+        # the operator's calibration of it. With the measured rate it refused nearly every local prefill on the 2-core
+        # host (short TTFT 2.6-3.0x colocated against 0.3-0.9x; pdserve/loadtest/README.md, pd-vs-colocated).
+        step_ms = 1000.0 * (batch + min(case.tokens, slack(batch, c))) / c.prefill_tokens_per_s
         if step_ms <= c.tpot_slo_ms:
             return paths, ""
         return [p for p in paths if p != LOCAL], (f"a local prefill step of ~{step_ms:.0f} ms for {batch} running "
