@@ -95,23 +95,23 @@ def test_heartbeat_does_not_wait_for_a_long_step_and_a_stuck_engine_stops_it(red
 @pytest.mark.slow
 def test_a_prefill_pod_prefills_a_long_prompt_in_bounded_steps_and_an_abort_between_them_frees_it(
         model_dir, tmp_path):
-    """The prefill pod's default step budget bounds what an abort (or a stats call, or a new request) waits for:
-    one 2048-token chunk, not a whole long prompt. A random 2-layer Llama keeps the chunk cheap; the
-    budget, not the model, bounds the step."""
+    """The prefill pod's default long-prompt threshold bounds what an abort (or a stats call, or a new request)
+    waits for: one 256-token chunk, not the 2048-token budget nor a whole long prompt. A random 2-layer Llama keeps
+    the chunk cheap; the threshold, not the model, bounds the step."""
     from pdserve.services.prefill.worker import PrefillSettings
     from pdserve.shared.engine.llm_engine import LLMEngine
     from pdserve.shared.protocol.sampling_params import SamplingParams
 
     settings = PrefillSettings(kv_cache_memory="16MiB", max_model_len=4096,
                                model=make_tiny_llama(tmp_path, model_dir, max_position_embeddings=4096))
-    budget = settings.max_num_batched_tokens
-    assert budget == 2048
+    assert (settings.max_num_batched_tokens, settings.long_prefill_token_threshold) == (2048, 256)
+    chunk = settings.long_prefill_token_threshold
     engine = LLMEngine(settings.engine_config())
     ids = [100 + i % 1000 for i in range(3000)]
     engine.add_request("long", ids, SamplingParams(max_tokens=1), prefill_only=True)
     engine.step()  # one chunk: no first token yet
     (request,) = engine.output.states["long"].members
-    assert request.num_computed_tokens == budget and not request.is_finished
+    assert request.num_computed_tokens == chunk and not request.is_finished
     assert engine.abort_request("long")  # what the worker's abort runs between two steps
     assert not engine.has_unfinished_requests()
     assert engine.get_stats().kv_blocks_used == 0
