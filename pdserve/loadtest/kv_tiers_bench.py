@@ -72,6 +72,17 @@ def mode_args(mode: str, kv_cache_memory: str, cpu_gib: float, disk_gib: float, 
     return args
 
 
+def turn_message(session: int, turn: int, extra_tokens: int) -> str:
+    """The user's message of one turn: ``user_message`` plus, with ``extra_tokens``, a pasted detail of about that
+    many tokens unique to the session and turn (real chat turns carry documents, code, logs), so that the new
+    tokens of a turn are not dwarfed by the partial block a block-granular prefix cache recomputes."""
+    text = user_message(session, turn)
+    if extra_tokens <= 0:
+        return text
+    words = " ".join(f"s{session}t{turn}w{j}" for j in range(max(1, extra_tokens // 7)))
+    return f"{text} Here are my notes: {words}"
+
+
 def one_shot_message(i: int, n_tokens: int) -> str:
     """A unique question of about ``n_tokens`` tokens (its blocks are nobody else's)."""
     words = " ".join(f"item{i}x{j}" for j in range(max(1, n_tokens // 4)))
@@ -98,7 +109,8 @@ async def one_turn(http: httpx.AsyncClient, messages: list[dict], max_tokens: in
 
 
 async def workload(router_url: str, sessions: int, turns: int, system: str, max_tokens: int, stats_of,
-                   one_shot: int = 0, one_shot_tokens: int = 200, system_tokens: int = 0) -> dict:
+                   one_shot: int = 0, one_shot_tokens: int = 200, system_tokens: int = 0,
+                   user_tokens: int = 0) -> dict:
     """Turn by turn across sessions; per later turn: TTFT, new tokens, prompt tokens computed (the pods' counter
     moved by that turn alone: turns of one round go one at a time). ``one_shot`` churn prompts follow each turn.
     ``working_set``: tokens of the system prompt (``system_tokens``) plus every session's last prompt and answer
@@ -109,7 +121,7 @@ async def workload(router_url: str, sessions: int, turns: int, system: str, max_
     async with httpx.AsyncClient(base_url=router_url, timeout=httpx.Timeout(600.0)) as http:
         for turn in range(turns):
             for s in range(sessions):
-                histories[s].append({"role": "user", "content": user_message(s, turn)})
+                histories[s].append({"role": "user", "content": turn_message(s, turn, user_tokens)})
                 before = await stats_of()
                 ttft, answer, prompt_tokens, e2e = await one_turn(http, histories[s], max_tokens)
                 after = await stats_of()
@@ -145,7 +157,7 @@ def pod_stats(up: Cluster) -> dict:
 
 def measure(mode: str, base: list[str], mode_flags: list[str], sessions: int, turns: int, system: str,
             max_tokens: int, timeout_s: float, one_shot: int = 0, one_shot_tokens: int = 200,
-            system_tokens: int = 0, block_size: int = 16, tree: str | None = None) -> dict:
+            system_tokens: int = 0, block_size: int = 16, tree: str | None = None, user_tokens: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"pdserve-tiers-{mode.replace('+', '-')}-") as tmp:
         flags = [f.replace("{tmp}", tmp) for f in mode_flags]
         with Cluster(*base, *flags, log_dir=Path(tmp), timeout_s=timeout_s, process=True,
@@ -153,7 +165,7 @@ def measure(mode: str, base: list[str], mode_flags: list[str], sessions: int, tu
             start = pod_stats(up)
             run = asyncio.run(workload(up.router_url, sessions, turns, system, max_tokens,
                                        lambda: asyncio.to_thread(pod_stats, up), one_shot, one_shot_tokens,
-                                       system_tokens))
+                                       system_tokens, user_tokens))
             end = pod_stats(up)
     moved = {k: end[k] - start[k] for k in STAT_KEYS if k != "prompt_tokens_computed"}
     return {"mode": mode, "turns": len(run["ttft"]), "ttft_p50": pct(run["ttft"], 0.5),
@@ -192,6 +204,8 @@ def table(rows: list[dict]) -> str:
 @click.option("--cpu-size-with-disk", "cpu_gib_with_disk", type=float, default=0.03, show_default=True,
               help="CPU tier GiB in the cpu+disk modes: smaller than the working set, so that blocks reach the disk.")
 @click.option("--kv-offloading-disk-size", "disk_gib", type=float, default=4.0, show_default=True)
+@click.option("--user-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="About this many more tokens in each user turn (a pasted note unique to the session and turn).")
 @click.option("--one-shot", type=click.IntRange(min=0), default=0, show_default=True,
               help="Churn: one-shot prompts after each session's turn (their blocks never come back).")
 @click.option("--one-shot-tokens", type=click.IntRange(min=8), default=200, show_default=True)
@@ -204,7 +218,7 @@ def table(rows: list[dict]) -> str:
 @click.option("--tree", "trees", multiple=True,
               help="NAME=PATH: also run each mode from this checkout (`pdserve up` imports pdserve from PATH), in turns.")
 def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memory, cpu_gib, cpu_gib_with_disk,
-                       disk_gib, one_shot, one_shot_tokens, dtype, modes, rounds, startup_timeout_s, json_out,
+                       disk_gib, user_tokens, one_shot, one_shot_tokens, dtype, modes, rounds, startup_timeout_s, json_out,
                        trees) -> None:
     """Multi-turn chat through `pdserve up`: no tiers vs CPU vs CPU+disk vs an unlimited pool, in turns."""
     from transformers import AutoTokenizer
@@ -220,7 +234,7 @@ def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memo
     shared = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "system", "content": system}],
                                                                 tokenize=False), add_special_tokens=False))
     click.echo(f"workload: {sessions} sessions x {turns} turns, system prompt {len(tokenizer.encode(system))} tokens, "
-               f"answers <= {max_tokens} tokens, {one_shot} one-shot prompts of ~{one_shot_tokens} tokens after each "
+               f"answers <= {max_tokens} tokens, user turns +~{user_tokens} tokens, {one_shot} one-shot prompts of ~{one_shot_tokens} tokens after each "
                f"turn; pdserve up {' '.join(base)}", err=True)
     for mode in modes.split(","):
         mode_args(mode, kv_cache_memory, cpu_gib, disk_gib, "", cpu_gib_with_disk)  # an unknown mode fails now
@@ -234,7 +248,7 @@ def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memo
             click.echo(f"round {r + 1}: {label} ...", err=True)
             flags = mode_args(mode, kv_cache_memory, cpu_gib, disk_gib, "{tmp}/kv-disk", cpu_gib_with_disk)
             rows.append(measure(mode, base, flags, sessions, turns, system, max_tokens, startup_timeout_s, one_shot,
-                                one_shot_tokens, shared, tree=path))
+                                one_shot_tokens, shared, tree=path, user_tokens=user_tokens))
             rows[-1]["mode"] = label
             r_ = rows[-1]
             r_["load"] = os.getloadavg()[0]
