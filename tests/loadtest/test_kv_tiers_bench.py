@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.loadtest.kv_tiers_bench import mode_args, one_shot_message, table
+from pdserve.loadtest.kv_routing_bench import user_message
+from pdserve.loadtest.kv_tiers_bench import mode_args, one_shot_message, table, turn_message
 
 
 def test_each_mode_gets_its_pool_and_tiers():
@@ -25,6 +26,14 @@ def test_each_mode_gets_its_pool_and_tiers():
 
 def test_one_shot_prompts_are_unique():
     assert one_shot_message(1, 40) != one_shot_message(2, 40) and "item1x9" in one_shot_message(1, 40)
+
+
+def test_user_turns_grow_by_a_note_unique_to_session_and_turn():
+    assert turn_message(3, 1, 0) == user_message(3, 1)  # the default: the short question alone
+    long = turn_message(3, 1, 200)
+    assert long.startswith(user_message(3, 1)) and "s3t1w0" in long and "s3t1w27" in long
+    # no two sessions or turns share a note, so no block of it is another conversation's prefix hit
+    assert len({turn_message(s, t, 200) for s in range(4) for t in range(3)}) == 12
 
 
 def test_the_table_gives_computed_over_new_tokens_and_mebibytes_moved():
