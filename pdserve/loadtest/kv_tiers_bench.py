@@ -44,6 +44,7 @@ import httpx
 
 from pdserve.loadtest.cluster import Cluster
 from pdserve.loadtest.kv_routing_bench import MODEL, pct, system_prompt, user_message
+from pdserve.loadtest.pd_compare import pd_decisions
 from pdserve.loadtest.sse import aread_chunks
 
 MODES = ("none", "cpu", "cpu+disk", "unlimited")
@@ -117,7 +118,7 @@ async def workload(router_url: str, sessions: int, turns: int, system: str, max_
     beyond it."""
     histories = [[{"role": "system", "content": system}] for _ in range(sessions)]
     last_kv = [0] * sessions  # tokens of the previous turn's prompt and answer
-    out = {"ttft": [], "e2e": [], "new": [], "computed": [], "one_shots": 0}
+    out = {"ttft": [], "e2e": [], "new": [], "computed": [], "local": 0, "one_shots": 0}
     async with httpx.AsyncClient(base_url=router_url, timeout=httpx.Timeout(600.0)) as http:
         for turn in range(turns):
             for s in range(sessions):
@@ -131,6 +132,7 @@ async def workload(router_url: str, sessions: int, turns: int, system: str, max_
                     out["e2e"].append(e2e)
                     out["new"].append(prompt_tokens - last_kv[s])
                     out["computed"].append(after["prompt_tokens_computed"] - before["prompt_tokens_computed"])
+                    out["local"] += after.get("local_prefills", 0) > before.get("local_prefills", 0)
                 last_kv[s] = prompt_tokens + max_tokens
                 for _ in range(one_shot):
                     msgs = [{"role": "system", "content": system},
@@ -152,6 +154,7 @@ def pod_stats(up: Cluster) -> dict:
         for k in STAT_KEYS:
             total[k] += s.get(k, 0)
         total["pool_blocks"] = max(total["pool_blocks"], s.get("kv_blocks_total", 0))
+    total["local_prefills"] = sum(n for k, n in pd_decisions(up.router_url).items() if k.startswith("local/"))
     return total
 
 
@@ -171,13 +174,13 @@ def measure(mode: str, base: list[str], mode_flags: list[str], sessions: int, tu
     return {"mode": mode, "turns": len(run["ttft"]), "ttft_p50": pct(run["ttft"], 0.5),
             "ttft_p99": pct(run["ttft"], 0.99), "e2e_p50": pct(run["e2e"], 0.5), "e2e_p99": pct(run["e2e"], 0.99),
             "computed_per_turn": statistics.mean(run["computed"]),
-            "new_per_turn": statistics.mean(run["new"]), "moved": moved, "one_shots": run["one_shots"],
+            "new_per_turn": statistics.mean(run["new"]), "local_turns": run["local"], "moved": moved, "one_shots": run["one_shots"],
             "working_set_tokens": run["working_set"], "pool_tokens": end["pool_blocks"] * block_size}
 
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'mode':<18} {'turns':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'E2E p50':>9} {'E2E p99':>9} {'computed':>9} {'new':>6} {'ratio':>6} "
-             f"{'wire MiB':>9} {'tier wr MiB':>11} {'(disk)':>7} {'tier ld MiB':>11} {'(disk)':>7} {'skipped':>7}"]
+             f"{'local':>5} {'wire MiB':>9} {'tier wr MiB':>11} {'(disk)':>7} {'tier ld MiB':>11} {'(disk)':>7} {'skipped':>7}"]
     for r in rows:
         m = r["moved"]
         written = (m["kv_offload_cpu_bytes_written"] + m["kv_offload_disk_bytes_written"]) / 2**20
@@ -186,7 +189,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['mode']:<18} {r['turns']:>5} {r['ttft_p50']:>8.3f}s {r['ttft_p99']:>8.3f}s "
                      f"{r.get('e2e_p50', float('nan')):>8.3f}s {r.get('e2e_p99', float('nan')):>8.3f}s "
                      f"{r['computed_per_turn']:>9.1f} {r['new_per_turn']:>6.1f} "
-                     f"{r['computed_per_turn'] / r['new_per_turn']:>6.2f} {m['kv_bytes_received'] / 2**20:>9.1f} "
+                     f"{r['computed_per_turn'] / r['new_per_turn']:>6.2f} {r.get('local_turns', 0):>5} "
+                     f"{m['kv_bytes_received'] / 2**20:>9.1f} "
                      f"{written:>11.1f} {m['kv_offload_disk_bytes_written'] / 2**20:>7.1f} {loaded:>11.1f} "
                      f"{m['kv_offload_disk_bytes_loaded'] / 2**20:>7.1f} {skipped:>7}")
     return "\n".join(lines)
@@ -206,6 +210,10 @@ def table(rows: list[dict]) -> str:
 @click.option("--kv-offloading-disk-size", "disk_gib", type=float, default=4.0, show_default=True)
 @click.option("--user-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="About this many more tokens in each user turn (a pasted note unique to the session and turn).")
+@click.option("--local-prefill-threshold", type=click.IntRange(min=0), default=0, show_default=True,
+              help="pdserve up's: a turn whose uncached part on the chosen decode pod (any tier) is at most this many "
+                   "tokens prefills there (llm-d's pd-profile-handler threshold); 0: every turn goes through the "
+                   "prefill pod and the hand-over.")
 @click.option("--one-shot", type=click.IntRange(min=0), default=0, show_default=True,
               help="Churn: one-shot prompts after each session's turn (their blocks never come back).")
 @click.option("--one-shot-tokens", type=click.IntRange(min=8), default=200, show_default=True)
@@ -218,7 +226,7 @@ def table(rows: list[dict]) -> str:
 @click.option("--tree", "trees", multiple=True,
               help="NAME=PATH: also run each mode from this checkout (`pdserve up` imports pdserve from PATH), in turns.")
 def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memory, cpu_gib, cpu_gib_with_disk,
-                       disk_gib, user_tokens, one_shot, one_shot_tokens, dtype, modes, rounds, startup_timeout_s, json_out,
+                       disk_gib, user_tokens, local_prefill_threshold, one_shot, one_shot_tokens, dtype, modes, rounds, startup_timeout_s, json_out,
                        trees) -> None:
     """Multi-turn chat through `pdserve up`: no tiers vs CPU vs CPU+disk vs an unlimited pool, in turns."""
     from transformers import AutoTokenizer
@@ -227,9 +235,12 @@ def multi_turn_command(sessions, turns, system_tokens, max_tokens, kv_cache_memo
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(MODEL))
     system = system_prompt(tokenizer, system_tokens)
-    # local prefill threshold 0: every later turn goes through the prefill pod, so that the hand-over (and the
-    # decode pod's tiers answering its reservation) is what is measured
-    base = ["--prefill", "1", "--decode", "1", "--dtype", dtype, "--local-prefill-threshold", "0"]
+    # local prefill threshold 0 (the default): every later turn goes through the prefill pod, so that the hand-over
+    # (and the decode pod's tiers answering its reservation) is what is measured. Above 0, a turn whose history the
+    # chosen decode pod holds (pool or tiers) prefills there: the prefill pod never held the previous answer's KV
+    # (the decode pod computed it), so through the hand-over it recomputes that answer and the partial last block.
+    base = ["--prefill", "1", "--decode", "1", "--dtype", dtype,
+            "--local-prefill-threshold", str(local_prefill_threshold)]
     # the system turn as the chat template renders it (tokenize=True may return a BatchEncoding, not ids)
     shared = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "system", "content": system}],
                                                                 tokenize=False), add_special_tokens=False))

@@ -42,6 +42,6 @@ def test_the_table_gives_computed_over_new_tokens_and_mebibytes_moved():
              "kv_offload_cpu_stores_skipped": 3, "kv_offload_disk_stores_skipped": 0}
     row = {"mode": "cpu+disk", "turns": 20, "ttft_p50": 0.5, "ttft_p99": 0.9, "e2e_p50": 0.7, "e2e_p99": 1.25,
            "computed_per_turn": 66.0,
-           "new_per_turn": 60.0, "moved": moved}
+           "new_per_turn": 60.0, "local_turns": 17, "moved": moved}
     assert table([row]).splitlines()[1].split() == ["cpu+disk", "20", "0.500s", "0.900s", "0.700s", "1.250s", "66.0", "60.0", "1.10",
-                                                    "2.0", "2.0", "1.0", "1.0", "0.0", "3"]
+                                                    "17", "2.0", "2.0", "1.0", "1.0", "0.0", "3"]
