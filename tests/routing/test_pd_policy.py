@@ -17,6 +17,8 @@ from pdserve.services.router.dispatch import DispatchConfig, Dispatcher, Routing
 from pdserve.services.router.pd_policy import (POLICIES, REASONS, PdPolicy, PolicyConfig, PrefillCase, PrefillTier,
                                                QueueAwarePolicy, ThresholdPolicy, make_policy)
 from pdserve.services.router.settings import RouterSettings
+from pdserve.shared.protocol.block_hash import compute_block_hashes
+from pdserve.shared.protocol.kv_events import KVEvent, KVEventBatch
 
 from support.registry_inprocess import pod, registry_client
 
@@ -116,8 +118,8 @@ class Recording(PdPolicy):
 
     name = "recording"
 
-    def __init__(self) -> None:
-        inner = QueueAwarePolicy(PolicyConfig())
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        inner = QueueAwarePolicy(config or PolicyConfig())
         super().__init__(inner.filters, inner.scorers, inner.picker)
         self.cases: list[PrefillCase] = []
 
@@ -153,6 +155,31 @@ async def test_every_routing_mode_asks_the_policy_with_the_prefill_queue_it_repo
     await registry.heartbeat(pod("p0", role="prefill", queued_prefill_tokens=0))
     placed = await d.place(len(PREFIX), PREFIX)
     assert (placed.local_prefill, placed.why) == (False, "ttft_slo_met")
+
+
+@pytest.mark.asyncio
+async def test_blocks_in_a_decode_pods_cpu_or_disk_tier_count_as_cached_for_the_decision(registry):
+    """A later chat turn whose history the decode pod evicted to its tiers: what it would compute is the suffix past
+    every medium's blocks (they load back), so it stays under the threshold and prefills there; counting the pool
+    alone sent it to the prefill pod, which never held the previous answer's KV (bench multi-turn)."""
+    chain = [h.hex() for h in compute_block_hashes(PREFIX, 16)]  # 32 blocks
+    await registry.heartbeat(pod("d0"))
+    await registry.heartbeat(pod("p0", role="prefill"))
+    await registry.publish_kv_events(KVEventBatch(pod_id="d0", epoch="e", events=[
+        KVEvent(seq=1, kind="stored", block_hashes=chain[:8], medium="device"),
+        KVEvent(seq=2, kind="stored", block_hashes=chain[8:24], medium="cpu"),
+        KVEvent(seq=3, kind="stored", block_hashes=chain[24:28], medium="disk")]))
+    d = Dispatcher(None, registry, DispatchConfig(cache_s=0.0, routing=RoutingConfig("kv"),
+                                                  local_prefill_threshold=64), rng=random.Random(0))
+    d.placer.policy = policy = Recording(PolicyConfig(local_prefill_threshold=64))
+    placed = await d.place(len(PREFIX), PREFIX)
+    assert policy.cases[-1].tokens == 512 - 28 * 16
+    assert (placed.pod.pod_id, placed.local_prefill, placed.why, placed.cached_blocks) == ("d0", True, "threshold", 8)
+    # past the disk tier's blocks: 5 blocks to compute, over the threshold
+    await registry.publish_kv_events(KVEventBatch(pod_id="d0", epoch="e", events=[
+        KVEvent(seq=4, kind="removed", block_hashes=chain[24:28], medium="disk")]))
+    placed = await d.place(len(PREFIX), PREFIX)
+    assert (policy.cases[-1].tokens, placed.local_prefill) == (512 - 24 * 16, False)
 
 
 @pytest.mark.asyncio

@@ -152,7 +152,10 @@ class Placer:
         best = candidates[choice.index]
         pod, overlap = best.pod, best.overlap
         costs = {c.pod.pod_id: round(cost, 2) for c, cost in zip(candidates, choice.costs)}
-        suffix = uncached_tokens(len(ids), overlap, block_size)
+        # what the pod would still compute: blocks in its CPU or disk tier load back (the scheduler's tier lookup),
+        # so they count as cached here, as in the scorer; `overlap` (the pool's) stays the routing metric's hit
+        held = sum(best.tier_overlap.values()) if best.tier_overlap else overlap
+        suffix = uncached_tokens(len(ids), held, block_size)
         return await self._decide(pod, suffix, reply.num_prefill_pods, len(hashes), overlap, costs)
 
     def _observe(self, placement: Placement) -> None:

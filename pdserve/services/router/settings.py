@@ -37,7 +37,8 @@ class RouterSettings(ServiceSettings):
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0, description="Largest request body (413 above).")
     # Default: the model's max_position_embeddings.
     max_model_len: int | None = Field(None, gt=0, description="Context length (default: the model's).")
-    # Prompts whose uncached part on the chosen decode pod (kv routing; otherwise the whole prompt) is at most
+    # Prompts whose uncached part on the chosen decode pod (kv routing: past the blocks it holds in its pool or
+    # its CPU/disk tiers; otherwise the whole prompt) is at most
     # this many tokens are prefilled by that pod itself (0 = never, unless no prefill pod is alive or the
     # decode pod is colocated).
     local_prefill_threshold: int = Field(0, ge=0, description=(
