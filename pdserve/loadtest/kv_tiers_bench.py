@@ -10,7 +10,9 @@ in sequence, turn k+1 carrying the whole conversation so far (answers included).
 goes out, then every second turn, and so on: between two turns of one session the other sessions pass through
 the pod, so with a small pool (``--kv-cache-memory``) a session's history is evicted before it comes back. Each
 mode runs a fresh ``pdserve up --prefill 1 --decode 1`` (same flags but the tiers); ``--rounds`` repeats the
-modes in turns (A B C D A B C D). Figures per mode, over later turns (turn 2 on):
+modes in turns (A B C D A B C D). By default every turn goes through the prefill pod and the hand-over;
+``--local-prefill-threshold N`` lets a turn with at most N tokens left to compute on its decode pod (past the
+blocks the pod holds in any medium) prefill there, as llm-d's ``pd-profile-handler`` threshold does. Figures per mode, over later turns (turn 2 on):
 
 * TTFT p50/p99 as the client sees it, and E2E latency p50/p99 (the last token: the decode pod's side, where a
   hand-over's reservation and its tier loads sit; TTFT is the prefill pod's first token, sent before the hand-over);
