@@ -4,9 +4,10 @@ Keys (named in pdserve/shared/protocol/keys.py, all in the pod's hash-tag slot, 
     blocks_key(pod_id)   set of the pod's cached block hashes (16 raw bytes each), in its KV pool
     tier_keys(pod_id)    the same for its offloading tiers (event ``medium``: cpu, disk)
     seq_key(pod_id)      hash {epoch, seq}: the pod's worker process and its last applied event
-Both expire ``pod_ttl_s`` after the pod's last heartbeat or event (refreshed by either), together with the
-pod's record: a pod that stops beating has its blocks purged by Redis itself, and its deregistration
-deletes them at once. The index is bounded by the pods' cache sizes (a set holds what the pod's block pool
+They expire ``KEEP_TTLS`` x ``pod_ttl_s`` after the pod's last event or heartbeat refresh (``store.py``: a beat
+refreshes them only every ``REFRESH_TTLS`` x ``pod_ttl_s``), together with the pod's record: a pod that stops
+beating has its blocks purged by Redis itself, at most 3 x ``pod_ttl_s`` after it stopped counting as alive,
+and its deregistration deletes them at once. The index is bounded by the pods' cache sizes (a set holds what the pod's block pool
 holds) and by the pod count. Events and snapshots are applied by Lua scripts, so an event's membership change
 and the sequence number move together, atomically, whatever the number of registry replicas.
 
@@ -42,6 +43,7 @@ from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.keys import blocks_key, seq_key
 from pdserve.shared.protocol.kv_events import MEDIUMS, KVEventBatch, KVEventsReply, KVSnapshot
 
+KEEP_TTLS = 3  # x pod_ttl_s: the TTL of a pod's record and block index (store.py's module doc)
 _CHUNK = 1000  # members per SADD/SREM inside the scripts (Lua's unpack limit is ~8000)
 
 
@@ -163,7 +165,7 @@ _KEY_INDEX = {"device": 1, "cpu": 3, "disk": 4}  # an event's medium -> its set 
 class BlockIndex:
     def __init__(self, redis: Redis, pod_ttl_s: float) -> None:
         self.redis = redis
-        self.ttl_ms = max(1, int(pod_ttl_s * 1000))
+        self.ttl_ms = max(1, int(KEEP_TTLS * pod_ttl_s * 1000))
         self._apply = redis.register_script(_APPLY)
         self._snapshot = redis.register_script(_SNAPSHOT)
         self._walk_sha = hashlib.sha1(_WALK.encode()).hexdigest()
