@@ -1,5 +1,6 @@
-"""What one heartbeat costs Redis, counted by a real redis-server (``INFO commandstats``, which counts a script's
-own commands too), and that the TTLs the beats now refresh only now and then still outlive the pod's liveness."""
+"""What one heartbeat and one block-event batch cost Redis, counted by a real redis-server (``INFO commandstats``,
+which counts a script's own commands too), and that the TTLs they now refresh only now and then still outlive the
+pod's liveness."""
 
 from __future__ import annotations
 
@@ -119,4 +120,30 @@ def test_a_new_record_a_restarted_pod_and_a_flushed_redis_get_their_ttls_at_once
     decode, prefill = run(redis_server.url, scenario)
     assert decode == [] and [p.pod_id for p in prefill] == ["decode-0"]
     assert sync.zcard(keys.alive_key("decode")) == 0
+    sync.close()
+
+
+def test_an_event_batch_refreshes_only_the_sequence_record_and_the_sets_it_added_to(redis_server):
+    sync = redis_sync.Redis.from_url(redis_server.url)
+    cpu = keys.tier_keys("decode-0", ("cpu",))[0]
+
+    async def scenario(client):
+        index = BlockIndex(client, pod_ttl_s=5.0)
+        await index.apply(KVEventBatch(pod_id="decode-0", epoch="e", events=[
+            KVEvent(seq=1, kind="stored", block_hashes=["aa" * 16])]))
+        sync.config_resetstat()
+        await index.apply(KVEventBatch(pod_id="decode-0", epoch="e", events=[
+            KVEvent(seq=2, kind="stored", block_hashes=["bb" * 16], medium="cpu")]))  # a new set
+        stored = calls(sync)
+        sync.config_resetstat()
+        await index.apply(KVEventBatch(pod_id="decode-0", epoch="e", events=[
+            KVEvent(seq=3, kind="removed", block_hashes=["aa" * 16])]))
+        return stored, calls(sync), await index.pod_seq("decode-0"), await index.pod_blocks("decode-0")
+
+    stored, removed, seq, blocks = run(redis_server.url, scenario)
+    # main: EVALSHA, 2 HGET, the SADD/SREM, HSET, 3 EXISTS and a PEXPIRE per existing key (2 to 4)
+    assert stored == {"evalsha": 1, "hmget": 1, "sadd": 1, "hset": 1, "pexpire": 2}
+    assert removed == {"evalsha": 1, "hmget": 1, "srem": 1, "hset": 1, "pexpire": 1}
+    assert seq == ("e", 3) and blocks == set()  # the pool's set: "aa" stored, then removed
+    assert 10000 < sync.pttl(cpu) <= 15000 and 10000 < sync.pttl(keys.seq_key("decode-0")) <= 15000
     sync.close()
