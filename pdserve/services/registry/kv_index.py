@@ -9,8 +9,9 @@ them every ``REFRESH_TTLS`` x ``pod_ttl_s``, not on every beat) or the last even
 refreshes the sequence record and the sets it added to, which may be new), together with the pod's record: a pod
 that stops beating has its blocks purged by Redis itself, at most 3 x ``pod_ttl_s`` after it stopped counting as
 alive, and its deregistration deletes them at once. The index is bounded by the pods' cache sizes (a set holds
-what the pod's block pool holds) and by the pod count. Events and snapshots are applied by Lua scripts, so an event's membership change
-and the sequence number move together, atomically, whatever the number of registry replicas.
+what the pod's block pool holds) and by the pod count. Events and snapshots are applied by Lua scripts, so an
+event's membership change and the sequence number move together, atomically, whatever the number of registry
+replicas.
 
 A lookup runs one small script per alive pod of the role (``_WALK``, all of them in one pipelined round trip):
 it walks the chain from its head with ``SISMEMBER`` on the pod's three sets and stops at the first block no

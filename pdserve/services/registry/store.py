@@ -5,15 +5,15 @@ Keys (named in pdserve/shared/protocol/keys.py):
                       ``RECORD_FIELD`` (what this registry reads back)
     alive_key(role)   sorted set pod_id -> last heartbeat (Redis server time, unix s)
     the pod's block index (``kv_index.py``)
-A pod is alive while its score is within ``pod_ttl_s`` of Redis's clock (and its record exists); stale set
-members are trimmed on read. Times come from Redis ``TIME`` (``RedisClock``: read once per
-``CLOCK_RESYNC_S`` and carried on by this host's monotonic clock), so registries on hosts with skewed clocks agree.
+A pod is alive while its score is within ``pod_ttl_s`` of Redis's clock (and its record exists); a read trims
+stale set members (once per ``pod_ttl_s`` per role and replica). Times come from Redis ``TIME`` (``RedisClock``:
+read once per ``CLOCK_RESYNC_S``, carried on by this host's monotonic clock in between), so registries on hosts
+with skewed clocks agree.
 
 A beat is three Redis commands (all that ``INFO commandstats`` counts): one script in the pod's hash-tag slot
 (``_BEAT``: its EVALSHA and the HSET of the record), then the ZADD of its alive entry. A Redis Cluster refuses a
 script or MULTI over several slots, and a reader that sees the alive entry before the record skips it until the
-next beat. The TTLs are refreshed only every ``REFRESH_TTLS``-th of ``pod_ttl_s`` (a PEXPIRE per key), not on
-every beat:
+next beat. TTLs (a PEXPIRE per key) are refreshed every ``REFRESH_TTLS`` x ``pod_ttl_s``, not on every beat:
 - the record and the block index (``kv_index.KEEP_TTLS`` x ``pod_ttl_s``, refreshed at least every
   ``REFRESH_TTLS`` x ``pod_ttl_s`` by this replica, and by every block event) outlive the pod's last beat by at
   least ``pod_ttl_s`` and at most 3 x ``pod_ttl_s``: a pod that stops beating has its keys purged by Redis
@@ -123,6 +123,7 @@ class PodStore:
         self.clock = RedisClock(redis)
         self._refreshed: dict[str, tuple[float, str, float]] = {}  # pod id -> (monotonic, role, started_at)
         self._alive_refreshed: dict[str, float] = {}  # role -> monotonic
+        self._trimmed: dict[str, float] = {}  # role -> monotonic: stale alive members removed
 
     async def now(self) -> float:
         """Redis's clock, unix s (``RedisClock``)."""
@@ -195,14 +196,18 @@ class PodStore:
         ``count`` are alive (0 when None), from the same reading of the alive sets."""
         cutoff = await self.now() - self.pod_ttl_s
         roles = [role] if role else list(ROLES)
+        mono = time.monotonic()
+        trim = [r for r in roles if mono - self._trimmed.get(r, float("-inf")) >= self.pod_ttl_s]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for r in roles:
+            for r in trim:  # stale members, once per pod_ttl_s per role and replica: the range below skips them
                 pipe.zremrangebyscore(alive_key(r), "-inf", f"({cutoff}")
+            for r in roles:
                 pipe.zrangebyscore(alive_key(r), cutoff, "+inf")
             if count is not None:
                 pipe.zcount(alive_key(count), cutoff, "+inf")
             answers = await pipe.execute()
-        pod_ids = [m.decode() if isinstance(m, bytes) else m for members in answers[1:2 * len(roles):2]
+        self._trimmed.update((r, mono) for r in trim)
+        pod_ids = [m.decode() if isinstance(m, bytes) else m for members in answers[len(trim):len(trim) + len(roles)]
                    for m in members]
         counted = int(answers[-1]) if count is not None else 0
         if not pod_ids:
