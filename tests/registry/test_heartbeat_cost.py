@@ -147,3 +147,31 @@ def test_an_event_batch_refreshes_only_the_sequence_record_and_the_sets_it_added
     assert seq == ("e", 3) and blocks == set()  # the pool's set: "aa" stored, then removed
     assert 10000 < sync.pttl(cpu) <= 15000 and 10000 < sync.pttl(keys.seq_key("decode-0")) <= 15000
     sync.close()
+
+
+def test_a_listing_reads_only_the_records_of_beats_another_replica_stored(redis_server):
+    sync = redis_sync.Redis.from_url(redis_server.url)
+
+    async def scenario(client):
+        mine, other = PodStore(client, pod_ttl_s=5.0), PodStore(client, pod_ttl_s=5.0)  # two registry replicas
+        await mine.heartbeat(pod("d0"))
+        await other.heartbeat(pod("d1", free_blocks=7))
+        await mine.alive("decode", count="prefill")  # the first listing trims the stale members
+        sync.config_resetstat()
+        first = await mine.alive("decode", count="prefill")
+        after_first = calls(sync)
+        sync.config_resetstat()
+        await other.heartbeat(pod("d1", free_blocks=5))
+        await mine.heartbeat(pod("d0", free_blocks=3))
+        sync.config_resetstat()
+        second = await mine.alive("decode", count="prefill")
+        return first, after_first, second, calls(sync)
+
+    first, after_first, second, after_second = run(redis_server.url, scenario)
+    # main: TIME, ZREMRANGEBYSCORE, ZRANGEBYSCORE, ZCOUNT and an HGET per pod on every listing
+    assert after_first == {"zrangebyscore": 1, "zcount": 1}  # both records are the ones read or written before
+    assert after_second == {"zrangebyscore": 1, "zcount": 1, "hget": 1}  # d1's new beat, stored by the other
+    assert [(p.pod_id, p.free_blocks) for p, _ in first[0]] == [("d0", 900), ("d1", 7)] and first[1] == 0
+    assert [(p.pod_id, p.free_blocks) for p, _ in second[0]] == [("d0", 3), ("d1", 5)]
+    assert [json for _, json in second[0]] == [p.model_dump_json().encode() for p, _ in second[0]]
+    sync.close()

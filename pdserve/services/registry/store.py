@@ -30,9 +30,11 @@ new to it or restarted (``started_at`` or role changed: a new worker may have re
 TTL). A new alive member (first beat or a role change) also removes the pod from the other roles' sets. What a
 replica remembers can only add refreshes, never skip one another replica owes: each replica's own refreshes keep
 the bound above on their own.
-A listing reads each pod's ``RECORD_FIELD`` (one string; a record without it, written by an older registry, is
-read whole) and parses a record only when it changed since the last listing (``PodRecords``): a lookup on
-a fleet of 128 pods parses none of them between two heartbeats.
+A listing reads the alive sets with their scores, and a pod's ``RECORD_FIELD`` (one string; a record without it,
+written by an older registry, is read whole) only when this registry does not hold the record of that very beat
+(``PodRecords``: a beat writes its record and its score with one ``last_heartbeat``, so the score names the
+record; with one registry replica a lookup reads no record at all). It parses a record only when it changed
+since the last listing: a lookup on a fleet of 128 pods parses none of them between two heartbeats.
 """
 
 from __future__ import annotations
@@ -108,6 +110,16 @@ class PodRecords:
         self._parsed[pod_id] = (raw, pod, pod.model_dump_json().encode())
         return pod, self._parsed[pod_id][2]
 
+    def remember(self, pod: PodInfo, raw: bytes) -> None:
+        """A record this registry just wrote (``raw``, its ``RECORD_FIELD``)."""
+        self._parsed[pod.pod_id] = (raw, pod, raw)
+
+    def at(self, pod_id: str, score: float) -> tuple[PodInfo, bytes] | None:
+        """The record of the pod's beat scored ``score`` in its alive set, when this registry holds that one: a beat
+        writes its record and its score with the same ``last_heartbeat``, so no other record has it."""
+        hit = self._parsed.get(pod_id)
+        return (hit[1], hit[2]) if hit is not None and hit[1].last_heartbeat == score else None
+
     def forget_gone(self, roles: list[str], alive: set[str]) -> None:
         """Forgets the pods of ``roles`` not in ``alive`` (a listing of those roles did not see them)."""
         for pod_id, (_, pod, _) in list(self._parsed.items()):
@@ -157,6 +169,7 @@ class PodStore:
             added_fields = await self.redis.evalsha(*beat)
         elif isinstance(added_fields, Exception):
             raise added_fields
+        self.records.remember(stored, record.encode())
         if refresh or int(added_fields):
             self._refreshed[info.pod_id] = (mono, info.role, info.started_at)
         if alive_due:
@@ -202,27 +215,27 @@ class PodStore:
             for r in trim:  # stale members, once per pod_ttl_s per role and replica: the range below skips them
                 pipe.zremrangebyscore(alive_key(r), "-inf", f"({cutoff}")
             for r in roles:
-                pipe.zrangebyscore(alive_key(r), cutoff, "+inf")
+                pipe.zrangebyscore(alive_key(r), cutoff, "+inf", withscores=True)
             if count is not None:
                 pipe.zcount(alive_key(count), cutoff, "+inf")
             answers = await pipe.execute()
         self._trimmed.update((r, mono) for r in trim)
-        pod_ids = [m.decode() if isinstance(m, bytes) else m for members in answers[len(trim):len(trim) + len(roles)]
-                   for m in members]
+        scored = [(m.decode() if isinstance(m, bytes) else m, score)
+                  for members in answers[len(trim):len(trim) + len(roles)] for m, score in members]
         counted = int(answers[-1]) if count is not None else 0
-        if not pod_ids:
-            return [], counted
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for pod_id in pod_ids:
-                pipe.hget(pod_key(pod_id), RECORD_FIELD)
-            raws = await pipe.execute()
-        pods: list[tuple[PodInfo, bytes]] = []
-        for pod_id, raw in zip(pod_ids, raws):
-            if raw is not None:
-                pods.append(self.records.parse(pod_id, raw))
-            elif (old := await self.get(pod_id)) is not None:  # expired meanwhile, or written by an older registry
-                pods.append((old, old.model_dump_json().encode()))
-        self.records.forget_gone(roles, set(pod_ids))
+        pods = [hit for pod_id, score in scored if (hit := self.records.at(pod_id, score)) is not None]
+        unread = [pod_id for pod_id, score in scored if self.records.at(pod_id, score) is None]
+        if unread:  # beats this registry did not see (another replica's, or before it started): read those records
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for pod_id in unread:
+                    pipe.hget(pod_key(pod_id), RECORD_FIELD)
+                raws = await pipe.execute()
+            for pod_id, raw in zip(unread, raws):
+                if raw is not None:
+                    pods.append(self.records.parse(pod_id, raw))
+                elif (old := await self.get(pod_id)) is not None:  # expired meanwhile, or an older registry's
+                    pods.append((old, old.model_dump_json().encode()))
+        self.records.forget_gone(roles, {pod_id for pod_id, _ in scored})
         return sorted((p for p in pods if role is None or p[0].role == role), key=lambda p: p[0].pod_id), counted
 
     async def get(self, pod_id: str) -> PodInfo | None:
