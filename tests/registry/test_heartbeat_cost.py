@@ -175,3 +175,20 @@ def test_a_listing_reads_only_the_records_of_beats_another_replica_stored(redis_
     assert [(p.pod_id, p.free_blocks) for p, _ in second[0]] == [("d0", 3), ("d1", 5)]
     assert [json for _, json in second[0]] == [p.model_dump_json().encode() for p, _ in second[0]]
     sync.close()
+
+
+def test_the_registry_reads_the_redis_clock_once_per_resync_however_many_beats_run_at_once(redis_server):
+    sync = redis_sync.Redis.from_url(redis_server.url)
+
+    async def scenario(client):
+        store = PodStore(client, pod_ttl_s=5.0)
+        await store.heartbeat(pod("d0"))
+        sync.config_resetstat()
+        store.clock._synced_at -= store.clock.resync_s  # the offset is due for a resync
+        stored = await asyncio.gather(*(store.heartbeat(pod(f"d{i}")) for i in range(8)))
+        return calls(sync).get("time", 0), stored
+
+    times, stored = run(redis_server.url, scenario)
+    assert times == 1
+    assert all(abs(p.last_heartbeat - stored[0].last_heartbeat) < 1.0 for p in stored)
+    sync.close()

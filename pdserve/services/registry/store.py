@@ -84,11 +84,18 @@ class RedisClock:
         self.resync_s = resync_s
         self._offset = 0.0  # Redis time - monotonic
         self._synced_at = float("-inf")  # monotonic
+        self._syncing = False
 
     async def now(self) -> float:
         mono = time.monotonic()
-        if mono - self._synced_at >= self.resync_s:
-            seconds, micros = await self.redis.time()
+        # one TIME at a time: a reading while it is in flight uses the previous offset (there is one unless it is
+        # the first)
+        if mono - self._synced_at >= self.resync_s and not (self._syncing and self._synced_at > float("-inf")):
+            self._syncing = True
+            try:
+                seconds, micros = await self.redis.time()
+            finally:
+                self._syncing = False
             after = time.monotonic()
             self._offset = seconds + micros / 1e6 - (mono + after) / 2
             self._synced_at = mono = after
