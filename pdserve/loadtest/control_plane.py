@@ -13,7 +13,7 @@ open, closed loop, over the routers in turn; ``batch`` ramps up (``--batches``),
 - the stubs' own step lateness (their process is on the same cores): a late step is the harness, not Redis or
   the router;
 - CPU per generated token of Redis (``INFO cpu``, all shards), the routers and the registry (psutil), and of the
-  pods and the clients for scale; Redis commands per token (``INFO commandstats``).
+  pods and the clients for scale; Redis commands per token (``INFO commandstats``), in all and by command.
 
 The ramp stops at the first level whose added p99 exceeds the bound; the level before it is the ceiling.
 
@@ -68,6 +68,7 @@ class LevelResult:
     cpu_us_per_token: dict[str, float] = field(default_factory=dict)
     cpu_ms_per_s: dict[str, float] = field(default_factory=dict)  # CPU-ms per wall second (1000 = one core)
     redis_commands_per_token: float = 0.0
+    redis_commands_by_name: dict[str, float] = field(default_factory=dict)  # per token, by command, most first
     shard_share: list[float] = field(default_factory=list)  # each Redis node's share of the commands
     loadavg: float = 0.0
 
@@ -145,6 +146,19 @@ async def drive(routers: list[str], model: str, streams: int, input_len: int, ou
         await asyncio.gather(*(loop(i, client) for i in range(streams)))
 
 
+def command_calls(commandstats: dict) -> dict[str, int]:
+    """Calls per command name (``xadd``, ...) from ``INFO commandstats``, less the bench's own reads and the
+    clients' start-up (``SETUP_COMMANDS``), as the total counts them."""
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in commandstats.items()
+            if k.startswith("cmdstat_") and not k.startswith(SETUP_COMMANDS)}
+
+
+def per_token_by_name(deltas: dict[str, float], tokens: int) -> dict[str, float]:
+    """The ``cmd_<name>`` call deltas of ``Counters.read`` per token, most first (ties by name), 0 left out."""
+    counts = {k.removeprefix("cmd_"): v for k, v in deltas.items() if k.startswith("cmd_") and v}
+    return {name: round(n / max(tokens, 1), 4) for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))}
+
+
 class Counters:
     """CPU seconds of the processes by role, and Redis's CPU and command counts over every node."""
 
@@ -160,8 +174,10 @@ class Counters:
         for i, node in enumerate(self.nodes):
             info = node.info("cpu")
             cpu += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-            out[f"calls_{i}"] = sum(v["calls"] for k, v in node.info("commandstats").items()
-                                    if not k.startswith(SETUP_COMMANDS))
+            calls = command_calls(node.info("commandstats"))
+            out[f"calls_{i}"] = sum(calls.values())
+            for name, n in calls.items():
+                out[f"cmd_{name}"] = out.get(f"cmd_{name}", 0) + n
         out["redis"], out["redis_calls"] = cpu, sum(out[f"calls_{i}"] for i in range(len(self.nodes)))
         return out
 
@@ -184,7 +200,7 @@ def measure_level(routers: list[str], fleet_url: str, counters: Counters, model:
             after = counters.read()
             stubs = (await http.get(fleet_url + "/fleet/stats")).json()
         await clients
-        return {k: after[k] - before[k] for k in after}, stubs
+        return {k: after[k] - before.get(k, 0) for k in after}, stubs
 
     deltas, stubs = asyncio.run(run())
     tokens = max(seen.tokens, 1)
@@ -195,12 +211,13 @@ def measure_level(routers: list[str], fleet_url: str, counters: Counters, model:
     res.added_p99_ms = res.itl_p99_ms - 1e3 * step_s
     res.step_late_p99_ms = stubs["step_late_p99_ms"]
     res.errors, res.first_error = seen.errors, seen.first_error
-    cpu = {k: v for k, v in deltas.items() if k != "redis_calls" and not k.startswith("calls_")}
+    cpu = {k: v for k, v in deltas.items() if k != "redis_calls" and not k.startswith(("calls_", "cmd_"))}
     res.cpu_us_per_token = {k: round(1e6 * v / tokens, 1) for k, v in cpu.items()}
     res.cpu_ms_per_s = {k: round(1e3 * v / seconds, 1) for k, v in cpu.items()}
     shards = [v for k, v in sorted(deltas.items()) if k.startswith("calls_")]
     res.shard_share = [round(c / max(sum(shards), 1), 3) for c in shards]
     res.redis_commands_per_token = deltas["redis_calls"] / tokens
+    res.redis_commands_by_name = per_token_by_name(deltas, tokens)
     res.loadavg = os.getloadavg()[0]
     return res
 
@@ -308,7 +325,12 @@ def format_level(r: LevelResult) -> str:
     return (f"  N={r.pods:<4} batch {r.batch:<3} offered {r.offered_tok_s:>7.0f} tok/s  got {r.tok_s:>7.0f}  "
             f"ITL p50 {r.itl_p50_ms:5.1f} p99 {r.itl_p99_ms:5.1f} ms (added {r.added_p99_ms:+5.1f}; stub steps late "
             f"p99 {r.step_late_p99_ms:4.1f})  step->client p50 {r.delivery_p50_ms:5.1f} p99 {r.delivery_p99_ms:5.1f} ms  errors {r.errors}  µs/token: {cpu}  Redis cmds/token "
-            f"{r.redis_commands_per_token:.3f}{shares}  load {r.loadavg:.1f}")
+            f"{r.redis_commands_per_token:.3f}{shares}  load {r.loadavg:.1f}\n"
+            f"    Redis cmds/token by command: {format_by_name(r.redis_commands_by_name)}")
+
+
+def format_by_name(by_name: dict[str, float]) -> str:
+    return "  ".join(f"{name} {v:.3f}" for name, v in by_name.items()) or "-"
 
 
 def ceiling(levels: list[LevelResult]) -> LevelResult | None:

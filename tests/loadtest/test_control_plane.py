@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from pdserve.loadtest.control_plane import Streams, ceiling, ramp, stream_one
+from pdserve.loadtest.control_plane import Counters, Streams, ceiling, per_token_by_name, ramp, stream_one
 from pdserve.loadtest.fleet import Fleet
 from pdserve.loadtest.stub_engine import token_text
 from pdserve.services.registry.app import create_app as create_registry_app
@@ -76,6 +76,26 @@ def test_stand_in_pods_stream_every_token_of_each_request_through_a_real_router(
     assert texts == ["".join(token_text(j) for j in range(5 + i)) for i in range(4)]
     assert (seen.errors, seen.tokens, len(seen.gaps)) == (0, 5 + 6 + 7 + 8, 5 + 6 + 7 + 8 - 4)
     assert stats["tokens"] == 26 and stats["pods"] == 2
+
+
+def test_the_command_breakdown_counts_each_command_a_client_sent_and_sums_to_the_total(redis_server):
+    import redis
+
+    counters = Counters({}, [redis_server.port])
+    client = redis.Redis.from_url(redis_server.url)
+    client.ping()  # the client's start-up (HELLO, CLIENT SETINFO, ...) before the first reading, as the bench's
+    before = counters.read()
+    for i in range(6):
+        client.xadd("cp-test", {"i": i})
+    client.set("cp-test-k", 1, px=1000)
+    client.set("cp-test-k", 2, px=1000)
+    client.eval("redis.call('EXISTS', KEYS[1]); return 1", 1, "cp-test-k")  # a script's commands count too
+    after = counters.read()
+    client.delete("cp-test", "cp-test-k")
+    deltas = {k: after[k] - before.get(k, 0) for k in after}
+    by_name = per_token_by_name(deltas, tokens=4)
+    assert by_name == {"xadd": 1.5, "set": 0.5, "eval": 0.25, "exists": 0.25}  # per token; INFO itself left out
+    assert sum(by_name.values()) * 4 == deltas["redis_calls"] == 10
 
 
 @pytest.mark.slow

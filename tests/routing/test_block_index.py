@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import pytest
@@ -261,7 +262,7 @@ async def test_lookup_answers_leading_overlap_and_load_per_alive_pod(registry):
 
 
 async def test_expired_or_deregistered_pod_has_its_blocks_purged(redis_url):
-    reg = Registry(redis_url, pod_ttl_s=1.0)
+    reg = Registry(redis_url, pod_ttl_s=0.5)
     r = aioredis.from_url(redis_url)
     try:
         c = reg.client
@@ -269,10 +270,15 @@ async def test_expired_or_deregistered_pod_has_its_blocks_purged(redis_url):
         await c.heartbeat(pod("d1"))
         await c.publish_kv_events(batch("d0", "e", (1, "stored", [h(1), h(2)])))
         await c.publish_kv_events(batch("d1", "e", (1, "stored", [h(1)])))
-        for _ in range(8):  # d1 keeps beating, d0 has gone quiet (1.6 s > its 1 s TTL)
+        quiet = time.monotonic()
+        for _ in range(4):  # d1 keeps beating, d0 has gone quiet (0.8 s > its 0.5 s TTL): no longer looked up
             await asyncio.sleep(0.2)
             await c.heartbeat(pod("d1"))
-        assert await r.exists(blocks_key("d0"), seq_key("d0")) == 0
+        assert {o.pod.pod_id for o in (await c.lookup([h(1)])).pods} == {"d1"}
+        while await r.exists(blocks_key("d0"), seq_key("d0")):  # its blocks outlive it by less than 2 x TTL
+            assert time.monotonic() - quiet < 1.5 + 0.5
+            await asyncio.sleep(0.2)
+            await c.heartbeat(pod("d1"))
         assert await r.exists(blocks_key("d1"), seq_key("d1")) == 2
         assert {o.pod.pod_id for o in (await c.lookup([h(1)])).pods} == {"d1"}
         assert await reg.blocks("d0") == set()

@@ -22,7 +22,7 @@ import redis
 import redis.asyncio as aioredis
 
 from pdserve.services.registry.app import create_app
-from pdserve.services.registry.kv_index import blocks_key, tier_keys
+from pdserve.services.registry.kv_index import KEEP_TTLS, blocks_key, tier_keys
 from pdserve.services.registry.settings import RegistrySettings
 from pdserve.shared.protocol.kv_events import (MEDIUMS, KVEvent, KVEventBatch, KVLookupReply, KVSnapshot, PodOverlap,
                                                encode_lookup_reply)
@@ -189,10 +189,12 @@ async def scenario(url: str, seed: int, steps: int, flush_scripts) -> Counter:
                 await send_events(pod_id)
             elif roll < 0.86 and sum(q["beating"] for q in model.pods.values()) > 2:
                 seen["expiries"] += 1
-                p["beating"] = False  # it stops beating: its record and sets expire
-                for _ in range(int(TTL_S / 0.25) + 2):
+                p["beating"] = False  # it stops beating: its record and sets expire (KEEP_TTLS x TTL at most)
+                for _ in range(int(KEEP_TTLS * TTL_S / 0.25) + 2):
                     await asyncio.sleep(0.25)
                     await beat()
+                    if not await rds.exists(blocks_key(pod_id), *tier_keys(pod_id)):
+                        break
                 # the registry forgot it; the pod keeps its cache and its numbering, so its next events ask for a resync
                 assert await rds.exists(blocks_key(pod_id), *tier_keys(pod_id)) == 0
             elif roll < 0.89:

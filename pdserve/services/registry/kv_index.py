@@ -4,11 +4,14 @@ Keys (named in pdserve/shared/protocol/keys.py, all in the pod's hash-tag slot, 
     blocks_key(pod_id)   set of the pod's cached block hashes (16 raw bytes each), in its KV pool
     tier_keys(pod_id)    the same for its offloading tiers (event ``medium``: cpu, disk)
     seq_key(pod_id)      hash {epoch, seq}: the pod's worker process and its last applied event
-Both expire ``pod_ttl_s`` after the pod's last heartbeat or event (refreshed by either), together with the
-pod's record: a pod that stops beating has its blocks purged by Redis itself, and its deregistration
-deletes them at once. The index is bounded by the pods' cache sizes (a set holds what the pod's block pool
-holds) and by the pod count. Events and snapshots are applied by Lua scripts, so an event's membership change
-and the sequence number move together, atomically, whatever the number of registry replicas.
+They expire ``KEEP_TTLS`` x ``pod_ttl_s`` after the pod's last heartbeat refresh (``store.py``: a beat refreshes
+them every ``REFRESH_TTLS`` x ``pod_ttl_s``, not on every beat) or the last event that wrote them (an event batch
+refreshes the sequence record and the sets it added to, which may be new), together with the pod's record: a pod
+that stops beating has its blocks purged by Redis itself, at most 3 x ``pod_ttl_s`` after it stopped counting as
+alive, and its deregistration deletes them at once. The index is bounded by the pods' cache sizes (a set holds
+what the pod's block pool holds) and by the pod count. Events and snapshots are applied by Lua scripts, so an
+event's membership change and the sequence number move together, atomically, whatever the number of registry
+replicas.
 
 A lookup runs one small script per alive pod of the role (``_WALK``, all of them in one pipelined round trip):
 it walks the chain from its head with ``SISMEMBER`` on the pod's three sets and stops at the first block no
@@ -42,6 +45,7 @@ from pdserve.shared.protocol import keys
 from pdserve.shared.protocol.keys import blocks_key, seq_key
 from pdserve.shared.protocol.kv_events import MEDIUMS, KVEventBatch, KVEventsReply, KVSnapshot
 
+KEEP_TTLS = 3  # x pod_ttl_s: the TTL of a pod's record and block index (store.py's module doc)
 _CHUNK = 1000  # members per SADD/SREM inside the scripts (Lua's unpack limit is ~8000)
 
 
@@ -62,11 +66,12 @@ _APPLY = f"""
 local epoch = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
-local cur = redis.call('HGET', KEYS[2], 'epoch')
-local known = (cur == epoch)
+local cur = redis.call('HMGET', KEYS[2], 'epoch', 'seq')
+local known = (cur[1] == epoch)
 local last = -1
-if known then last = tonumber(redis.call('HGET', KEYS[2], 'seq')) end
+if known then last = tonumber(cur[2]) end
 local applied, resync, i = 0, 0, 4
+local grown = {{}}
 local function each_chunk(cmd, key, first, count)
   local k = 0
   while k < count do
@@ -86,7 +91,10 @@ for e = 1, n do
     known, last = true, 0
   end
   if seq == last + 1 then
-    if count > 0 then each_chunk(kind == 'stored' and 'SADD' or 'SREM', key, first, count) end
+    if count > 0 then
+      each_chunk(kind == 'stored' and 'SADD' or 'SREM', key, first, count)
+      if kind == 'stored' then grown[key] = true end
+    end
     last = seq
     applied = applied + 1
   elseif seq > last + 1 then
@@ -97,8 +105,9 @@ end
 if known then
   redis.call('HSET', KEYS[2], 'epoch', epoch, 'seq', last)
   redis.call('PEXPIRE', KEYS[2], ttl)
+  -- a set this batch added to may be new (no TTL yet); the others keep the TTL of the last refresh
   for _, k in ipairs({{KEYS[1], KEYS[3], KEYS[4]}}) do
-    if redis.call('EXISTS', k) == 1 then redis.call('PEXPIRE', k, ttl) end
+    if grown[k] then redis.call('PEXPIRE', k, ttl) end
   end
 end
 return {{applied, last, resync}}
@@ -163,7 +172,7 @@ _KEY_INDEX = {"device": 1, "cpu": 3, "disk": 4}  # an event's medium -> its set 
 class BlockIndex:
     def __init__(self, redis: Redis, pod_ttl_s: float) -> None:
         self.redis = redis
-        self.ttl_ms = max(1, int(pod_ttl_s * 1000))
+        self.ttl_ms = max(1, int(KEEP_TTLS * pod_ttl_s * 1000))
         self._apply = redis.register_script(_APPLY)
         self._snapshot = redis.register_script(_SNAPSHOT)
         self._walk_sha = hashlib.sha1(_WALK.encode()).hexdigest()

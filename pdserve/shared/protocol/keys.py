@@ -131,7 +131,7 @@ def aborted_key(request_id: str) -> str:
     return f"{tag(request_tag(request_id))}aborted:{request_id}"
 
 
-# The registry's keys. A pod's record, block sets and sequence record share the pod's slot (one MULTI per
+# The registry's keys. A pod's record, block sets and sequence record share the pod's slot (one script per
 # heartbeat, one Lua script per event batch); the alive set of a role is one key the registry reads whole.
 def pod_key(pod_id: str) -> str:
     """Hash: one JSON-encoded value per ``PodInfo`` field (TTL the registry's ``pod_ttl_s``)."""
