@@ -267,3 +267,67 @@ def test_threshold_and_cap_are_checked():
         make_long(threshold=-1)
     with pytest.raises(ValueError, match="max_long_partial_prefills"):
         make_long(threshold=8, max_long=0)
+
+
+def make_srpt_long(threshold: int = 8, max_num_seqs: int = 8, aging: float = 200.0) -> Scheduler:
+    return Scheduler(KVCacheManager(128, BLOCK, True), max_num_seqs, 64, 1024, "srpt", aging_tokens_per_s=aging,
+                     long_prefill_token_threshold=threshold)
+
+
+def prefill_step(sched: Scheduler) -> list[tuple[str, int]]:
+    """``step`` as on a prefill pod: a request leaves the batch with its first token (detached for its hand-over)."""
+    scheduled = step(sched)
+    for r in list(sched.running):
+        if r.num_output_tokens:
+            sched.detach(r)
+    return scheduled
+
+
+def test_srpt_a_long_prefill_in_progress_sits_out_the_step_of_a_short_prompt_ranked_ahead_of_it():
+    # The step is what a newly queued prompt waits for: with the long prompt's 8-token chunk beside it, the short
+    # prompt's first token would wait for that chunk too. Ranks (remaining + 200 x arrival): the long one after its
+    # first chunk 24 + 2000, the short one 6 + 2000.02: the short goes alone, then the long one goes on where it was.
+    sched = make_srpt_long()
+    long_ = req("long", list(range(32)), arrival=10.0)
+    sched.add_request(long_)
+    assert prefill_step(sched) == [("long", 8)]
+    sched.add_request(req("short", list(range(200, 206)), arrival=10.0001))
+    assert prefill_step(sched) == [("short", 6)]
+    assert long_.num_computed_tokens == 8 and long_.status == RequestStatus.RUNNING  # its blocks stay
+    assert prefill_step(sched) == [("long", 8)]
+    assert prefill_step(sched) == [("long", 8)]
+    assert prefill_step(sched) == [("long", 8)] and long_.output_token_ids == [1]
+
+
+def test_srpt_a_short_prompt_that_came_too_late_to_outrank_the_long_one_shares_its_step():
+    # The starvation bound of the waiting queue holds for a long prefill in progress too: after its first chunk
+    # (24 tokens left) a 6-token prompt passes it only if it arrived less than (24 - 6) / 200 = 0.09 s after it.
+    for delay, expected in ((0.089, [("short", 6)]), (0.091, [("long", 8), ("short", 6)])):
+        sched = make_srpt_long()
+        sched.add_request(req("long", list(range(32)), arrival=10.0))
+        prefill_step(sched)
+        sched.add_request(req("short", list(range(200, 206)), arrival=10.0 + delay))
+        assert prefill_step(sched) == expected, delay
+    # no aging: shortest first, however late
+    sched = make_srpt_long(aging=0.0)
+    sched.add_request(req("long", list(range(32)), arrival=10.0))
+    prefill_step(sched)
+    sched.add_request(req("short", list(range(200, 206)), arrival=99.0))
+    assert prefill_step(sched) == [("short", 6)]
+
+
+def test_a_long_prefill_yields_only_to_a_prompt_that_starts_and_not_under_fcfs_or_without_a_threshold():
+    # the short prompt cannot start (max_num_seqs is full with the long one): the long one runs, never an empty step
+    sched = make_srpt_long(max_num_seqs=1)
+    sched.add_request(req("long", list(range(32)), arrival=10.0))
+    prefill_step(sched)
+    sched.add_request(req("short", list(range(200, 206)), arrival=10.0001))
+    assert prefill_step(sched) == [("long", 8)]
+    # fcfs keeps the long prompt's turn (decode and colocated pods: no threshold, nothing changes either)
+    for policy, threshold, first in (("fcfs", 8, [("long", 8)]), ("srpt", 0, [("long", 32)])):
+        sched = Scheduler(KVCacheManager(128, BLOCK, True), 8, 64, 1024, policy,
+                          long_prefill_token_threshold=threshold)
+        sched.add_request(req("long", list(range(32)), arrival=10.0))
+        assert prefill_step(sched) == first
+        sched.add_request(req("short", list(range(200, 206)), arrival=10.0001))
+        assert prefill_step(sched) == ([("long", 8), ("short", 6)] if threshold else [("short", 6)])

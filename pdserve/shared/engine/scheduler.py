@@ -266,14 +266,28 @@ class Scheduler:
         scheduled_ids: set[str] = set()
         self._long_prefills = sum(1 for r in self.running if self._is_long(r))
 
-        # running requests (decodes and unfinished prefill chunks) first
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        # running requests (decodes and unfinished prefill chunks) first, but a long prefill that a shorter waiting
+        # prompt outranks sits this step out (``_yielding_long_prefills``), unless nothing waiting can start
+        yielding = self._yielding_long_prefills()
+        budget = self._schedule_running([r for r in self.running if r not in yielding], budget, out, scheduled_ids)
+        num_scheduled = len(out.scheduled)
+        self._schedule_waiting(out, budget, scheduled_ids)
+        if yielding and len(out.scheduled) == num_scheduled:  # no waiting prompt could start (blocks, seqs, loading)
+            self._schedule_running(yielding, budget, out, scheduled_ids)
+        return out
+
+    def _schedule_running(self, requests: list[Request], budget: int, out: SchedulerOutput,
+                          scheduled_ids: set[str]) -> int:
+        """Schedule ``requests`` (running ones, in this order) within ``budget``, preempting victims when blocks run
+        out; returns the budget left."""
+        for request in requests:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING or request not in self.running:
+                continue  # preempted for an earlier one this step
             self.kv.free_out_of_window(request)  # a sliding-window model: blocks no query reads again
             num_new = self._num_new_running(request, budget)
             if num_new <= 0:
-                i += 1
                 continue
             while not self.kv.can_allocate(request, num_new):
                 victim = self._pick_victim(exclude=scheduled_ids)
@@ -287,12 +301,27 @@ class Scheduler:
                 out.scheduled.append((request, num_new))
                 scheduled_ids.add(request.request_id)
                 budget -= num_new
-                i += 1
-                continue
-            # the request preempted itself; the list shifted, stay at index i
+        return budget
 
-        self._schedule_waiting(out, budget, scheduled_ids)
-        return out
+    def _yielding_long_prefills(self) -> list[Request]:
+        """Running long prefills (more than ``long_prefill_token_threshold`` tokens left) that a waiting prompt that is
+        not long outranks in the SRPT order (``srpt`` only: ``(priority, SRPTQueue.key)``, the same aged rank the
+        waiting queue uses). Such a prompt would otherwise share the step with the long one's T-token chunk, and wait
+        for it: the step is what its TTFT waits for, and a prefill step of T long tokens on a CPU core takes far
+        longer than a short prompt's own. They sit that step out; their blocks stay allocated. The starvation bound is
+        the waiting queue's: a long prompt with S tokens left is passed only by prompts that arrived less than
+        (S - 1) / A seconds after it."""
+        queue = self.waiting
+        if self.long_prefill_token_threshold <= 0 or not isinstance(queue, SRPTQueue) or not len(queue):
+            return []
+        longs = [r for r in self.running if self._is_long(r)]
+        if not longs:
+            return []
+        first = next((r for r in queue if not self._is_long(r)), None)  # the best-ranked waiting prompt that can start
+        if first is None:
+            return []
+        rank = (first.priority, queue.key(first))
+        return [r for r in longs if rank < (r.priority, queue.key(r))]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
         """Waiting requests (new prefills, recomputes, swap-ins), only when nothing was preempted. One whose prefix
