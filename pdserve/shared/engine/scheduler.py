@@ -216,7 +216,8 @@ class Scheduler:
             raise ValueError("long_prefill_token_threshold must be >= 0 and max_long_partial_prefills >= 1, got "
                              f"{long_prefill_token_threshold} and {max_long_partial_prefills}")
         self.kv = kv_cache_manager
-        self._long_prefills = 0  # running requests with more than the threshold still to compute (this step)
+        self._long_prefills = 0  # running requests in a long prefill (this step)
+        self._sat_out: set[str] = set()  # ids of the long prefills that sat out the last step (``_yielding_long_prefills``)
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_long_partial_prefills = max_long_partial_prefills
         self.max_num_seqs = max_num_seqs
@@ -264,7 +265,8 @@ class Scheduler:
         self.kv.reap_loads()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
-        self._long_prefills = sum(1 for r in self.running if self._is_long(r))
+        # a long prompt counts until its prefill is done, its last chunk too: a step holds at most T long tokens
+        self._long_prefills = sum(1 for r in self.running if self._is_long(r) or self._in_long_prefill(r))
 
         # running requests (decodes and unfinished prefill chunks) first, but a long prefill that a shorter waiting
         # prompt outranks sits this step out (``_yielding_long_prefills``), unless nothing waiting can start
@@ -304,24 +306,32 @@ class Scheduler:
         return budget
 
     def _yielding_long_prefills(self) -> list[Request]:
-        """Running long prefills (more than ``long_prefill_token_threshold`` tokens left) that a waiting prompt that is
-        not long outranks in the SRPT order (``srpt`` only: ``(priority, SRPTQueue.key)``, the same aged rank the
-        waiting queue uses). Such a prompt would otherwise share the step with the long one's T-token chunk, and wait
-        for it: the step is what its TTFT waits for, and a prefill step of T long tokens on a CPU core takes far
-        longer than a short prompt's own. They sit that step out; their blocks stay allocated. The starvation bound is
-        the waiting queue's: a long prompt with S tokens left is passed only by prompts that arrived less than
-        (S - 1) / A seconds after it."""
-        queue = self.waiting
+        """Running long prefills that sit this step out (``srpt`` with a threshold only): those with more tokens left
+        than the first waiting prompt that is not long (shortest remaining first, after ``priority``). Such a prompt
+        would otherwise share the step with the long one's T-token chunk and wait for it: the step is what its TTFT
+        waits for, and on a CPU core T long tokens take several times a short prompt's own step. Their blocks stay
+        allocated. A long prefill never sits out two steps in a row (``_sat_out``), so one with ``c`` chunks left
+        finishes within ``2c`` steps however many short prompts arrive."""
+        queue, sat_out, self._sat_out = self.waiting, self._sat_out, set()
         if self.long_prefill_token_threshold <= 0 or not isinstance(queue, SRPTQueue) or not len(queue):
             return []
-        longs = [r for r in self.running if self._is_long(r)]
+        longs = [r for r in self.running if self._in_long_prefill(r) and r.request_id not in sat_out]
         if not longs:
             return []
         first = next((r for r in queue if not self._is_long(r)), None)  # the best-ranked waiting prompt that can start
         if first is None:
             return []
-        rank = (first.priority, queue.key(first))
-        return [r for r in longs if rank < (r.priority, queue.key(r))]
+        rank = (first.priority, first.num_tokens - first.num_computed_tokens)
+        yielding = [r for r in longs if rank < (r.priority, r.num_tokens - r.num_computed_tokens)]
+        self._sat_out = {r.request_id for r in yielding}
+        return yielding
+
+    def _in_long_prefill(self, request: Request) -> bool:
+        """Whether a running ``request`` is in a chunked prefill that started long (more than the threshold to
+        compute after its prefix hit), up to and including its last chunk."""
+        threshold = self.long_prefill_token_threshold
+        return (0 < threshold and request.num_computed_tokens < request.num_prompt_tokens
+                and request.num_prompt_tokens - max(request.num_cached_tokens, 0) > threshold)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
         """Waiting requests (new prefills, recomputes, swap-ins), only when nothing was preempted. One whose prefix
