@@ -13,7 +13,9 @@ request gets at most T new tokens per step, and at most ``max_long_partial_prefi
 prompt tokens still to compute are in prefill at once; a long waiting prompt beyond that keeps its place while
 shorter ones behind it start. A step then holds at most T tokens of each long prompt, so a short prompt that
 arrives behind a long one waits one such step, not the long prompt's whole prefill (a prefill pod's step has no
-decodes to protect; its length is what a newly queued prompt waits).
+decodes to protect; its length is what a newly queued prompt waits). A long prompt counts as long until its prefill
+is done. Under ``srpt`` a long prefill in progress also sits out a step for a waiting prompt with fewer tokens left,
+never two steps in a row (``_yielding_long_prefills``).
 
 Speculative decoding is the same rule: a decoding request with k draft tokens asks for k + 1 slots (the
 budget counts the drafts; a short budget or a short pool trims them first); the engine rolls
