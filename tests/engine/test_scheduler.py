@@ -342,3 +342,19 @@ def test_a_long_prefill_yields_only_to_a_prompt_that_starts_and_not_under_fcfs_o
         assert prefill_step(sched) == first
         sched.add_request(req("short", list(range(200, 206)), arrival=10.0001))
         assert prefill_step(sched) == ([("long", 8), ("short", 6)] if threshold else [("short", 6)])
+
+
+def test_srpt_a_long_prompt_does_not_start_beside_a_shorter_one_two_steps_in_a_row():
+    # both waiting when the step begins (a long prompt right behind a short one): the short one goes alone
+    sched = make_srpt_long()
+    sched.add_request(req("long", list(range(32)), arrival=10.0))
+    sched.add_request(req("short", list(range(200, 206)), arrival=10.0))
+    assert prefill_step(sched) == [("short", 6)]
+    # ... but not twice in a row: the next short prompt shares the long one's first chunk
+    sched.add_request(req("next", list(range(300, 306)), arrival=11.0))
+    assert prefill_step(sched) == [("long", 8), ("next", 6)]  # aged order: the long one arrived 1 s earlier
+    # fcfs: unchanged
+    sched = Scheduler(KVCacheManager(128, BLOCK, True), 8, 64, 1024, "fcfs", long_prefill_token_threshold=8)
+    sched.add_request(req("short", list(range(200, 206)), arrival=10.0))
+    sched.add_request(req("long", list(range(32)), arrival=10.0))
+    assert prefill_step(sched) == [("short", 6), ("long", 8)]

@@ -219,7 +219,8 @@ class Scheduler:
                              f"{long_prefill_token_threshold} and {max_long_partial_prefills}")
         self.kv = kv_cache_manager
         self._long_prefills = 0  # running requests in a long prefill (this step)
-        self._sat_out: set[str] = set()  # ids of the long prefills that sat out the last step (``_yielding_long_prefills``)
+        self._sat_out: set[str] = set()  # ids of the long prefills that sit out this step (``_yielding_long_prefills``)
+        self._sat_out_last: set[str] = set()  # ... and the last step
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_long_partial_prefills = max_long_partial_prefills
         self.max_num_seqs = max_num_seqs
@@ -315,6 +316,7 @@ class Scheduler:
         allocated. A long prefill never sits out two steps in a row (``_sat_out``), so one with ``c`` chunks left
         finishes within ``2c`` steps however many short prompts arrive."""
         queue, sat_out, self._sat_out = self.waiting, self._sat_out, set()
+        self._sat_out_last = sat_out  # for a long prompt about to start (``_starts_later``)
         if self.long_prefill_token_threshold <= 0 or not isinstance(queue, SRPTQueue) or not len(queue):
             return []
         longs = [r for r in self.running if self._in_long_prefill(r) and r.request_id not in sat_out]
@@ -325,8 +327,18 @@ class Scheduler:
             return []
         rank = (first.priority, first.num_tokens - first.num_computed_tokens)
         yielding = [r for r in longs if rank < (r.priority, r.num_tokens - r.num_computed_tokens)]
-        self._sat_out = {r.request_id for r in yielding}
+        self._sat_out.update(r.request_id for r in yielding)
         return yielding
+
+    def _starts_later(self, request: Request, num_computed: int, short_started: bool) -> bool:
+        """Whether a long waiting ``request`` waits a step because a shorter prompt starts in this one (``srpt`` with a
+        threshold): the same rule as for a long prefill in progress (``_yielding_long_prefills``), never two steps in a
+        row."""
+        if (not short_started or not isinstance(self.waiting, SRPTQueue) or not self._is_long(request, num_computed)
+                or request.request_id in self._sat_out_last):
+            return False
+        self._sat_out.add(request.request_id)
+        return True
 
     def _in_long_prefill(self, request: Request) -> bool:
         """Whether a running ``request`` is in a chunked prefill that started long (more than the threshold to
@@ -340,6 +352,7 @@ class Scheduler:
         blocks are loading from an offloading tier, or a long one while the long prefills are at their cap, is
         skipped this step and keeps its place in the queue."""
         loading: list[Request] = []  # skipped this step, back in place afterwards (blocks loading, or long)
+        short_started = False  # a prompt that is not long starts in this step
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.status != RequestStatus.SWAPPED and self.kv.is_loading(request):
@@ -356,7 +369,7 @@ class Scheduler:
                 assert allocated is not None, "swap-in checked the blocks it needs"
             else:
                 computed, num_computed = self.kv.get_computed_blocks(request)
-                if self._long_blocked(request, num_computed):
+                if self._long_blocked(request, num_computed) or self._starts_later(request, num_computed, short_started):
                     loading.append(self.waiting.pop())
                     continue
                 num_new = self._chunk(request.num_tokens - num_computed, budget)
@@ -370,6 +383,8 @@ class Scheduler:
             self.waiting.pop()
             if self._is_long(request):
                 self._long_prefills += 1
+            elif request.num_computed_tokens < request.num_prompt_tokens:
+                short_started = True
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
