@@ -233,8 +233,10 @@ def test_long_prefill_threshold_chunks_a_long_prompt_and_lets_short_ones_pass_it
     assert step(sched) == [("long1", 8), ("short", 6)]
     assert step(sched) == [("long1", 8), ("short", 1)]
     assert step(sched) == [("long1", 8), ("short", 1)]
-    # long1's last 6 tokens are not "long" any more: long2 starts beside them
-    assert step(sched) == [("long1", 6), ("short", 1), ("long2", 8)]
+    # long1's last 6 tokens still count as its long prefill (a step holds at most T tokens of long prompts): long2
+    # starts once long1 is done
+    assert step(sched) == [("long1", 6), ("short", 1)]
+    assert step(sched) == [("long1", 1), ("short", 1), ("long2", 8)]
 
 
 def test_without_a_threshold_the_long_prompt_takes_the_budget_first():
@@ -267,3 +269,92 @@ def test_threshold_and_cap_are_checked():
         make_long(threshold=-1)
     with pytest.raises(ValueError, match="max_long_partial_prefills"):
         make_long(threshold=8, max_long=0)
+
+
+def make_srpt_long(threshold: int = 8, max_num_seqs: int = 8, aging: float = 200.0) -> Scheduler:
+    return Scheduler(KVCacheManager(128, BLOCK, True), max_num_seqs, 64, 1024, "srpt", aging_tokens_per_s=aging,
+                     long_prefill_token_threshold=threshold)
+
+
+def prefill_step(sched: Scheduler) -> list[tuple[str, int]]:
+    """``step`` as on a prefill pod: a request leaves the batch with its first token (detached for its hand-over)."""
+    scheduled = step(sched)
+    for r in list(sched.running):
+        if r.num_output_tokens:
+            sched.detach(r)
+    return scheduled
+
+
+def test_srpt_a_long_prefill_in_progress_sits_out_the_step_of_a_shorter_waiting_prompt():
+    # The step is what a newly queued prompt waits for: with the long prompt's 8-token chunk beside it, the short
+    # prompt's first token would wait for that chunk too. The short one goes alone, then the long one goes on where
+    # it was, however long ago it arrived (no aging here: it has the bound of the next test instead).
+    sched = make_srpt_long()
+    long_ = req("long", list(range(32)), arrival=10.0)
+    sched.add_request(long_)
+    assert prefill_step(sched) == [("long", 8)]
+    sched.add_request(req("short", list(range(200, 206)), arrival=99.0))
+    assert prefill_step(sched) == [("short", 6)]
+    assert long_.num_computed_tokens == 8 and long_.status == RequestStatus.RUNNING  # its blocks stay
+    assert prefill_step(sched) == [("long", 8)]
+    assert prefill_step(sched) == [("long", 8)]
+    # its last chunk (8 tokens, not more than T) is still its long prefill: it sits out for a 6-token prompt
+    sched.add_request(req("last", list(range(300, 306)), arrival=99.5))
+    assert prefill_step(sched) == [("last", 6)]
+    assert prefill_step(sched) == [("long", 8)] and long_.output_token_ids == [1]
+    # a prompt with as many tokens left as the long one does not pass it
+    sched = make_srpt_long()
+    sched.add_request(req("long", list(range(32)), arrival=10.0))
+    prefill_step(sched)
+    sched.add_request(req("eight", list(range(400, 408)), arrival=10.1))
+    sched.add_request(req("same", list(range(500, 524)), arrival=10.1))  # long itself: waits (one long at a time)
+    assert prefill_step(sched) == [("eight", 8)]  # 8 < 24 left
+
+
+def test_srpt_a_long_prefill_never_sits_out_two_steps_in_a_row():
+    # Starvation bound: a long prefill with c chunks left finishes within 2c steps, whatever arrives.
+    sched = make_srpt_long()
+    long_ = req("long", list(range(32)), arrival=10.0)
+    sched.add_request(long_)
+    steps = [prefill_step(sched)]
+    for i in range(12):  # a short prompt arrives before every step
+        sched.add_request(req(f"s{i}", list(range(100 * i + 100, 100 * i + 104)), arrival=11.0 + i))
+        steps.append(prefill_step(sched))
+        if long_.output_token_ids:
+            break
+    assert steps == [[("long", 8)], [("s0", 4)], [("long", 8), ("s1", 4)], [("s2", 4)], [("long", 8), ("s3", 4)],
+                     [("s4", 4)], [("long", 8), ("s5", 4)]]
+    assert long_.output_token_ids == [1] and len(steps) <= 2 * 4
+
+
+def test_a_long_prefill_yields_only_to_a_prompt_that_starts_and_not_under_fcfs_or_without_a_threshold():
+    # the short prompt cannot start (max_num_seqs is full with the long one): the long one runs, never an empty step
+    sched = make_srpt_long(max_num_seqs=1)
+    sched.add_request(req("long", list(range(32)), arrival=10.0))
+    prefill_step(sched)
+    sched.add_request(req("short", list(range(200, 206)), arrival=10.0001))
+    assert prefill_step(sched) == [("long", 8)]
+    # fcfs keeps the long prompt's turn (decode and colocated pods: no threshold, nothing changes either)
+    for policy, threshold, first in (("fcfs", 8, [("long", 8)]), ("srpt", 0, [("long", 32)])):
+        sched = Scheduler(KVCacheManager(128, BLOCK, True), 8, 64, 1024, policy,
+                          long_prefill_token_threshold=threshold)
+        sched.add_request(req("long", list(range(32)), arrival=10.0))
+        assert prefill_step(sched) == first
+        sched.add_request(req("short", list(range(200, 206)), arrival=10.0001))
+        assert prefill_step(sched) == ([("long", 8), ("short", 6)] if threshold else [("short", 6)])
+
+
+def test_srpt_a_long_prompt_does_not_start_beside_a_shorter_one_two_steps_in_a_row():
+    # both waiting when the step begins (a long prompt right behind a short one): the short one goes alone
+    sched = make_srpt_long()
+    sched.add_request(req("long", list(range(32)), arrival=10.0))
+    sched.add_request(req("short", list(range(200, 206)), arrival=10.0))
+    assert prefill_step(sched) == [("short", 6)]
+    # ... but not twice in a row: the next short prompt shares the long one's first chunk
+    sched.add_request(req("next", list(range(300, 306)), arrival=11.0))
+    assert prefill_step(sched) == [("long", 8), ("next", 6)]  # aged order: the long one arrived 1 s earlier
+    # fcfs: unchanged
+    sched = Scheduler(KVCacheManager(128, BLOCK, True), 8, 64, 1024, "fcfs", long_prefill_token_threshold=8)
+    sched.add_request(req("short", list(range(200, 206)), arrival=10.0))
+    sched.add_request(req("long", list(range(32)), arrival=10.0))
+    assert prefill_step(sched) == [("short", 6), ("long", 8)]

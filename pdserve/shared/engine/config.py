@@ -40,8 +40,9 @@ class EngineConfig:
         shortest remaining prefill first, aged by ``srpt_aging_tokens_per_s`` tokens per second waited
         (``scheduler.SRPTQueue``, which states its starvation bound; prefill pods' default).
     long_prefill_token_threshold / max_long_partial_prefills: vLLM's names: with a threshold T > 0, a request computes
-        at most T tokens per step and at most ``max_long_partial_prefills`` prompts with more than T tokens left are in
-        prefill at once, so short prompts behind a long one are not held for its whole prefill (``scheduler``).
+        at most T tokens per step and at most ``max_long_partial_prefills`` prompts that started with more than T tokens
+        to compute are in prefill at once, so short prompts behind a long one are not held for its whole prefill; under
+        ``srpt`` a long prefill also sits out a step for a shorter waiting prompt (``scheduler``).
     attention_backend: ``auto`` | ``cpu`` | ``torch`` | ``triton`` (``pdserve/kernels/backend.py``).
     tensor_parallel_size: ranks (processes) the model's heads are split over, Megatron-style; 1 runs in-process
         (``pdserve/shared/engine/tp_executor.py``).

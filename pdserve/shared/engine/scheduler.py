@@ -13,7 +13,9 @@ request gets at most T new tokens per step, and at most ``max_long_partial_prefi
 prompt tokens still to compute are in prefill at once; a long waiting prompt beyond that keeps its place while
 shorter ones behind it start. A step then holds at most T tokens of each long prompt, so a short prompt that
 arrives behind a long one waits one such step, not the long prompt's whole prefill (a prefill pod's step has no
-decodes to protect; its length is what a newly queued prompt waits).
+decodes to protect; its length is what a newly queued prompt waits). A long prompt counts as long until its prefill
+is done. Under ``srpt`` a long prefill in progress also sits out a step for a waiting prompt with fewer tokens left,
+never two steps in a row (``_yielding_long_prefills``).
 
 Speculative decoding is the same rule: a decoding request with k draft tokens asks for k + 1 slots (the
 budget counts the drafts; a short budget or a short pool trims them first); the engine rolls
@@ -216,7 +218,9 @@ class Scheduler:
             raise ValueError("long_prefill_token_threshold must be >= 0 and max_long_partial_prefills >= 1, got "
                              f"{long_prefill_token_threshold} and {max_long_partial_prefills}")
         self.kv = kv_cache_manager
-        self._long_prefills = 0  # running requests with more than the threshold still to compute (this step)
+        self._long_prefills = 0  # running requests in a long prefill (this step)
+        self._sat_out: set[str] = set()  # ids of the long prefills that sit out this step (``_yielding_long_prefills``)
+        self._sat_out_last: set[str] = set()  # ... and the last step
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_long_partial_prefills = max_long_partial_prefills
         self.max_num_seqs = max_num_seqs
@@ -264,16 +268,31 @@ class Scheduler:
         self.kv.reap_loads()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
-        self._long_prefills = sum(1 for r in self.running if self._is_long(r))
+        # a long prompt counts until its prefill is done, its last chunk too: a step holds at most T long tokens
+        self._long_prefills = sum(1 for r in self.running if self._is_long(r) or self._in_long_prefill(r))
 
-        # running requests (decodes and unfinished prefill chunks) first
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        # running requests (decodes and unfinished prefill chunks) first, but a long prefill that a shorter waiting
+        # prompt outranks sits this step out (``_yielding_long_prefills``), unless nothing waiting can start
+        yielding = self._yielding_long_prefills()
+        budget = self._schedule_running([r for r in self.running if r not in yielding], budget, out, scheduled_ids)
+        num_scheduled = len(out.scheduled)
+        self._schedule_waiting(out, budget, scheduled_ids)
+        if yielding and len(out.scheduled) == num_scheduled:  # no waiting prompt could start (blocks, seqs, loading)
+            self._schedule_running(yielding, budget, out, scheduled_ids)
+        return out
+
+    def _schedule_running(self, requests: list[Request], budget: int, out: SchedulerOutput,
+                          scheduled_ids: set[str]) -> int:
+        """Schedule ``requests`` (running ones, in this order) within ``budget``, preempting victims when blocks run
+        out; returns the budget left."""
+        for request in requests:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING or request not in self.running:
+                continue  # preempted for an earlier one this step
             self.kv.free_out_of_window(request)  # a sliding-window model: blocks no query reads again
             num_new = self._num_new_running(request, budget)
             if num_new <= 0:
-                i += 1
                 continue
             while not self.kv.can_allocate(request, num_new):
                 victim = self._pick_victim(exclude=scheduled_ids)
@@ -287,18 +306,53 @@ class Scheduler:
                 out.scheduled.append((request, num_new))
                 scheduled_ids.add(request.request_id)
                 budget -= num_new
-                i += 1
-                continue
-            # the request preempted itself; the list shifted, stay at index i
+        return budget
 
-        self._schedule_waiting(out, budget, scheduled_ids)
-        return out
+    def _yielding_long_prefills(self) -> list[Request]:
+        """Running long prefills that sit this step out (``srpt`` with a threshold only): those with more tokens left
+        than the first waiting prompt that is not long (shortest remaining first, after ``priority``). Such a prompt
+        would otherwise share the step with the long one's T-token chunk and wait for it: the step is what its TTFT
+        waits for, and on a CPU core T long tokens take several times a short prompt's own step. Their blocks stay
+        allocated. A long prefill never sits out two steps in a row (``_sat_out``), so one with ``c`` chunks left
+        finishes within ``2c`` steps however many short prompts arrive."""
+        queue, sat_out, self._sat_out = self.waiting, self._sat_out, set()
+        self._sat_out_last = sat_out  # for a long prompt about to start (``_starts_later``)
+        if self.long_prefill_token_threshold <= 0 or not isinstance(queue, SRPTQueue) or not len(queue):
+            return []
+        longs = [r for r in self.running if self._in_long_prefill(r) and r.request_id not in sat_out]
+        if not longs:
+            return []
+        first = next((r for r in queue if not self._is_long(r)), None)  # the best-ranked waiting prompt that can start
+        if first is None:
+            return []
+        rank = (first.priority, first.num_tokens - first.num_computed_tokens)
+        yielding = [r for r in longs if rank < (r.priority, r.num_tokens - r.num_computed_tokens)]
+        self._sat_out.update(r.request_id for r in yielding)
+        return yielding
+
+    def _starts_later(self, request: Request, num_computed: int, short_started: bool) -> bool:
+        """Whether a long waiting ``request`` waits a step because a shorter prompt starts in this one (``srpt`` with a
+        threshold): the same rule as for a long prefill in progress (``_yielding_long_prefills``), never two steps in a
+        row."""
+        if (not short_started or not isinstance(self.waiting, SRPTQueue) or not self._is_long(request, num_computed)
+                or request.request_id in self._sat_out_last):
+            return False
+        self._sat_out.add(request.request_id)
+        return True
+
+    def _in_long_prefill(self, request: Request) -> bool:
+        """Whether a running ``request`` is in a chunked prefill that started long (more than the threshold to
+        compute after its prefix hit), up to and including its last chunk."""
+        threshold = self.long_prefill_token_threshold
+        return (0 < threshold and request.num_computed_tokens < request.num_prompt_tokens
+                and request.num_prompt_tokens - max(request.num_cached_tokens, 0) > threshold)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
         """Waiting requests (new prefills, recomputes, swap-ins), only when nothing was preempted. One whose prefix
         blocks are loading from an offloading tier, or a long one while the long prefills are at their cap, is
         skipped this step and keeps its place in the queue."""
         loading: list[Request] = []  # skipped this step, back in place afterwards (blocks loading, or long)
+        short_started = False  # a prompt that is not long starts in this step
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.status != RequestStatus.SWAPPED and self.kv.is_loading(request):
@@ -315,7 +369,7 @@ class Scheduler:
                 assert allocated is not None, "swap-in checked the blocks it needs"
             else:
                 computed, num_computed = self.kv.get_computed_blocks(request)
-                if self._long_blocked(request, num_computed):
+                if self._long_blocked(request, num_computed) or self._starts_later(request, num_computed, short_started):
                     loading.append(self.waiting.pop())
                     continue
                 num_new = self._chunk(request.num_tokens - num_computed, budget)
@@ -329,6 +383,8 @@ class Scheduler:
             self.waiting.pop()
             if self._is_long(request):
                 self._long_prefills += 1
+            elif request.num_computed_tokens < request.num_prompt_tokens:
+                short_started = True
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
