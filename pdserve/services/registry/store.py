@@ -230,8 +230,13 @@ class PodStore:
         scored = [(m.decode() if isinstance(m, bytes) else m, score)
                   for members in answers[len(trim):len(trim) + len(roles)] for m, score in members]
         counted = int(answers[-1]) if count is not None else 0
-        pods = [hit for pod_id, score in scored if (hit := self.records.at(pod_id, score)) is not None]
-        unread = [pod_id for pod_id, score in scored if self.records.at(pod_id, score) is None]
+        pods: list[tuple[PodInfo, bytes]] = []
+        unread: list[str] = []
+        for pod_id, score in scored:
+            if (hit := self.records.at(pod_id, score)) is not None:
+                pods.append(hit)
+            else:
+                unread.append(pod_id)
         if unread:  # beats this registry did not see (another replica's, or before it started): read those records
             async with self.redis.pipeline(transaction=False) as pipe:
                 for pod_id in unread:
